@@ -1,0 +1,31 @@
+"""Entry point: compose with Hydra, validate once, run the pipeline."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from orchestrator import conf_dir
+from orchestrator.config import ConfigError, load
+
+
+def main(cfg: DictConfig) -> None:
+    try:
+        root = load(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    from orchestrator.pipeline import run_pipeline
+
+    hc = HydraConfig.get()
+    sweep_dir = Path(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
+    run_pipeline(root, Path(hc.runtime.output_dir), sweep_dir=sweep_dir)
+
+
+def cli() -> None:
+    hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(main)()

@@ -1,0 +1,106 @@
+"""Self-describing stage outputs: atomic writes, content hashes and manifests.
+
+Nothing is written in place: every file goes to a temporary name in the same folder and is renamed over the
+final name, so a reader never sees half a file. A stage folder's `manifest.json` is written last; a folder
+without one is unfinished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+# Bumped when a stage's code changes what it writes; part of every cache key.
+CODE_VERSION = {"extract": 1, "train": 1, "eval": 1, "serve": 1}
+
+
+class ArtifactError(ValueError):
+    """An upstream artifact that is missing, unfinished, corrupt or inconsistent with the config."""
+
+
+@contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """Yields a temporary path beside `final`; renames it over `final` only if the block succeeds."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, final)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_json(path: Path, data: Any) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def read_json(path: Path, what: str = "file") -> Any:
+    path = Path(path)
+    if not path.exists():
+        raise ArtifactError(f"{what} {path} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"{what} {path} is not valid JSON: {exc}") from None
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def stable_hash(obj: Any, length: int = 16) -> str:
+    """Hash of a JSON-able object, independent of dict order."""
+    blob = json.dumps(obj, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:length]
+
+
+def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    write_json(Path(folder) / MANIFEST, {"format_version": FORMAT_VERSION, **manifest})
+
+
+def read_manifest(folder: Path, stage: str) -> dict[str, Any]:
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.exists():
+        raise ArtifactError(f"{stage} output {folder} has no {MANIFEST}: the {stage} stage did not finish there")
+    manifest = read_json(path, f"{stage} manifest")
+    if manifest.get("stage") != stage:
+        raise ArtifactError(f"{path}: written by stage {manifest.get('stage')!r}, expected {stage!r}")
+    return manifest
+
+
+def require_equal(manifest_path: Path | str, field: str, found: Any, expected: Any, fix: str) -> None:
+    """Refuses an upstream artifact whose recorded `field` differs from what this stage's config says."""
+    if found != expected:
+        raise ArtifactError(f"{manifest_path}: {field} is {found!r} but this run's config says {expected!r}. {fix}")
+
+
+def dir_fingerprint(folder: Path, full_hash_limit: int = 2 << 30) -> str:
+    """Content hash of a model folder: every file's bytes when small, names and sizes plus config when huge."""
+    folder = Path(folder)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
+    total = sum(p.stat().st_size for p in files)
+    h = hashlib.sha256()
+    for p in files:
+        rel = str(p.relative_to(folder))
+        h.update(rel.encode())
+        if total <= full_hash_limit or p.suffix in (".json", ".jinja", ".txt"):
+            h.update(file_sha256(p).encode())
+        else:
+            h.update(str(p.stat().st_size).encode())
+    return h.hexdigest()[:16]

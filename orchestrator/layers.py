@@ -1,0 +1,238 @@
+"""The layer contract: what an `aux_layers` entry means, and every engine's way of writing it.
+
+Canonical meaning, used by the config and every manifest:
+    k >= 0  the output of decoder layer k (0-based), before any final norm;
+    k == -1 the embedding output (the state entering decoder layer 0).
+
+Every engine has its own id convention. This module is the only place that converts between them; nothing
+else in the project adds or subtracts one from a layer id. Each conversion is expressed as "which state does
+engine id i capture" (a decode function, table-driven below) and the encoder searches for ids whose decoding is
+exactly the canonical list, so an encoding that cannot express the request raises instead of silently
+capturing something else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+EMBEDDING = -1
+
+# Teacher kinds: which tensor the extraction stores as the teacher's final state.
+#   post_norm: output of the final norm (HF's last `hidden_states` entry); teacher logits = lm_head(state).
+#   pre_norm:  raw output of the last decoder layer; teacher logits = lm_head(norm(state)).
+TEACHER_KINDS = ("post_norm", "pre_norm")
+
+
+class LayerContractError(ValueError):
+    """A layer list that an engine cannot express, or that is not a valid canonical list."""
+
+
+def validate_canonical(layers: Sequence[int], num_layers: int, key: str = "aux_layers") -> tuple[int, ...]:
+    """Checks a canonical layer list against a target with `num_layers` decoder layers."""
+    layers = tuple(int(k) for k in layers)
+    if not layers:
+        raise LayerContractError(f"{key}: empty list; expected decoder-layer indices in [-1, {num_layers - 1}]")
+    bad = [k for k in layers if not EMBEDDING <= k <= num_layers - 1]
+    if bad:
+        raise LayerContractError(
+            f"{key}={list(layers)}: {bad} out of range for a target with {num_layers} decoder layers; "
+            f"allowed: -1 (embedding output) .. {num_layers - 1} (output of the last decoder layer)"
+        )
+    if len(set(layers)) != len(layers):
+        raise LayerContractError(f"{key}={list(layers)}: duplicate entries; each layer may appear once")
+    if list(layers) != sorted(layers):
+        raise LayerContractError(
+            f"{key}={list(layers)}: must be ascending, e.g. {sorted(layers)}; serving engines concatenate the "
+            f"captured states in ascending layer order whatever order the list has, so training must too"
+        )
+    return layers
+
+
+def describe(k: int) -> str:
+    return "embedding output" if k == EMBEDDING else f"output of decoder layer {k}"
+
+
+# ---------------------------------------------------------------------------------------------- HF transformers
+
+
+def hf_hidden_states_index(k: int, num_layers: int) -> int:
+    """Index into HF `output_hidden_states` holding canonical state k.
+
+    `hidden_states[0]` is the embedding output and `hidden_states[i]` the output of layer i-1, except the last
+    entry, which HF takes after the final norm. The raw output of the last layer is therefore not in
+    `hidden_states` at all; capture it with a hook on the layer (see `hf_capture_point`).
+    """
+    validate_canonical([k], num_layers)
+    if k == num_layers - 1:
+        raise LayerContractError(
+            f"layer {k} is the last decoder layer: HF's hidden_states[{num_layers}] is the final norm's output, "
+            f"not the layer's raw output; capture it with a forward hook on model.layers.{k} instead"
+        )
+    return k + 1
+
+
+def hf_capture_point(k: int, num_layers: int) -> str:
+    """Name of the base-model submodule whose forward output is canonical state k."""
+    validate_canonical([k], num_layers)
+    return "embed_tokens" if k == EMBEDDING else f"layers.{k}"
+
+
+def hf_teacher_capture_point(teacher: str, num_layers: int) -> str:
+    if teacher == "post_norm":
+        return "norm"
+    if teacher == "pre_norm":
+        return f"layers.{num_layers - 1}"
+    raise LayerContractError(f"teacher kind {teacher!r} unknown; expected one of {TEACHER_KINDS}")
+
+
+# ------------------------------------------------------------------------------------------- engine id tables
+
+
+@dataclass(frozen=True)
+class IdRule:
+    """How an engine reads a list of aux-layer ids.
+
+    `decode(ids, num_layers)` returns the canonical state each id captures (None: captured nowhere). The
+    engine's capture loop is over the states *entering* decoder layers 0..N-1 (plus, where `final_capturable`,
+    the state after the last layer), so "entering layer j" is canonical j-1.
+    """
+
+    name: str
+    decode: Callable[[Sequence[int], int], list[int | None]]
+    source: str
+
+
+def _entering(j: int, num_layers: int, final_capturable: bool) -> int | None:
+    """Canonical state entering layer j (j == num_layers: after the last layer, if the engine captures it)."""
+    if 0 <= j < num_layers or (final_capturable and j == num_layers):
+        return j - 1
+    return None
+
+
+def _decode_shift(ids: Sequence[int], n: int) -> list[int | None]:
+    # layers_to_capture = [i + 1 for i in ids]; captured before layer j runs, for j in range(N).
+    return [_entering(i + 1, n, final_capturable=False) for i in ids]
+
+
+def _decode_first_id(ids: Sequence[int], n: int) -> list[int | None]:
+    # Shift only when the first id is 1; otherwise ids name the layer whose input is captured.
+    if ids and ids[0] == 1:
+        return _decode_shift(ids, n)
+    return [_entering(i, n, final_capturable=False) for i in ids]
+
+
+def _decode_entering_with_final(ids: Sequence[int], n: int) -> list[int | None]:
+    # id i = state entering layer i; i == N is the final pre-norm state.
+    return [_entering(i, n, final_capturable=True) for i in ids]
+
+
+SGLANG_SHIFT = IdRule(
+    "sglang-shift",
+    _decode_shift,
+    "sglang python/sglang/srt/models/llama.py set_eagle3_layers_to_capture: layers_to_capture = [val + 1 ...]",
+)
+SGLANG_FIRST_ID = IdRule(
+    "sglang-first-id",
+    _decode_first_id,
+    "sglang python/sglang/srt/models/deepseek_v2.py set_eagle3_layers_to_capture after PR #25454: "
+    "shift by one only when layer_ids[0] == 1",
+)
+VLLM_ENTERING = IdRule(
+    "vllm-entering",
+    _decode_entering_with_final,
+    "vLLM / speculators: id k = state entering layer k, k == N the final pre-norm state",
+)
+
+# SGLang versions that include PR #25454 (the first-id rule for the DeepSeek/Kimi family).
+SGLANG_FIRST_ID_SINCE = (0, 5, 12)
+
+SGLANG_FAMILIES = ("llama", "deepseek_v3", "kimi_k25")
+
+
+def parse_version(version: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in version.split("+")[0].split("."))
+    except ValueError as exc:
+        raise LayerContractError(f"version {version!r} is not of the form X.Y.Z") from exc
+
+
+def engine_rule(engine: str, family: str, version: str | None) -> IdRule:
+    """The id rule an engine applies to a model family at a version."""
+    if engine == "sglang":
+        if family not in SGLANG_FAMILIES:
+            raise LayerContractError(
+                f"no SGLang layer-id rule recorded for model family {family!r}; known: {SGLANG_FAMILIES}"
+            )
+        if family == "llama":
+            return SGLANG_SHIFT
+        if version is None:
+            raise LayerContractError(f"SGLang's id rule for {family} depends on the version; set serve.sglang_version")
+        return SGLANG_FIRST_ID if parse_version(version) >= SGLANG_FIRST_ID_SINCE else SGLANG_SHIFT
+    if engine in ("vllm", "speculators"):
+        return VLLM_ENTERING
+    if engine == "hf":
+        raise LayerContractError("HF capture uses hook points, not ids: see hf_capture_point")
+    raise LayerContractError(f"unknown engine {engine!r}; expected sglang, vllm or speculators")
+
+
+def captured_layers(rule: IdRule, ids: Sequence[int], num_layers: int) -> list[int]:
+    """Canonical states an engine captures for `ids`, in the order it concatenates them (ascending)."""
+    return sorted({k for k in rule.decode(list(ids), num_layers) if k is not None})
+
+
+def encode(rule: IdRule, layers: Sequence[int], num_layers: int) -> list[int]:
+    """Engine ids that make `rule` capture exactly the canonical `layers`, or a LayerContractError saying why not."""
+    layers = list(validate_canonical(layers, num_layers))
+    candidates = [[k + d for k in layers] for d in (0, 1)]
+    for ids in candidates:
+        if rule.decode(ids, num_layers) == layers:
+            return ids
+    raise LayerContractError(_why_not(rule, layers, num_layers, candidates))
+
+
+def _why_not(rule: IdRule, layers: list[int], num_layers: int, candidates: list[list[int]]) -> str:
+    tried = "; ".join(
+        f"ids {ids} would capture [{', '.join(describe(k) if k is not None else 'nothing' for k in rule.decode(ids, num_layers))}]"
+        for ids in candidates
+    )
+    hint = ""
+    if num_layers - 1 in layers and rule is not VLLM_ENTERING:
+        hint = f" The last decoder layer ({num_layers - 1}) is never captured by this engine; use {num_layers - 2} or lower."
+    elif rule is SGLANG_FIRST_ID and layers and layers[0] == 0:
+        hint = " With this rule the output of layer 0 cannot be the first aux layer; start with -1 (embedding) or 1."
+    return (
+        f"{rule.name} cannot capture {layers} ({', '.join(describe(k) for k in layers)}) on a {num_layers}-layer "
+        f"target: {tried}.{hint} (rule: {rule.source})"
+    )
+
+
+def to_sglang_ids(layers: Sequence[int], num_layers: int, family: str, version: str) -> list[int]:
+    """Ids for the draft config's `eagle_config.eagle_aux_hidden_state_layer_ids`."""
+    return encode(engine_rule("sglang", family, version), layers, num_layers)
+
+
+def from_sglang_ids(ids: Sequence[int], num_layers: int, family: str, version: str) -> list[int]:
+    """Canonical states SGLang captures for a draft config's ids (possibly fewer than given)."""
+    return captured_layers(engine_rule("sglang", family, version), ids, num_layers)
+
+
+def to_vllm_ids(layers: Sequence[int], num_layers: int) -> list[int]:
+    return encode(VLLM_ENTERING, layers, num_layers)
+
+
+def from_vllm_ids(ids: Sequence[int], num_layers: int) -> list[int]:
+    return captured_layers(VLLM_ENTERING, ids, num_layers)
+
+
+def to_engine_ids(engine: str, layers: Sequence[int], num_layers: int, family: str, version: str | None) -> list[int]:
+    """The ids a serving engine's draft config must carry. The reference engine reads SGLang's convention."""
+    if engine == "reference":
+        engine = "sglang"
+    return encode(engine_rule(engine, family, version), layers, num_layers)
+
+
+def from_engine_ids(engine: str, ids: Sequence[int], num_layers: int, family: str, version: str | None) -> list[int]:
+    if engine == "reference":
+        engine = "sglang"
+    return captured_layers(engine_rule(engine, family, version), ids, num_layers)

@@ -1,0 +1,248 @@
+"""The pipeline: plans the four stages, runs them as jobs, and records one MLflow run for the whole.
+
+`make_plan` is pure (no model, no job, no MLflow): it names every stage's folder, cache key, resources and the
+layer ids each stage will use in its own convention, which is what `dry_run=true` prints. `run_pipeline`
+executes a plan.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from orchestrator import layers as layer_contract
+from orchestrator import runner, tracking
+from orchestrator.artifacts import CODE_VERSION, MANIFEST, stable_hash, write_json
+from orchestrator.config import RootConfig
+from orchestrator.targets import target_dir
+
+
+@dataclass
+class Plan:
+    run_dir: str
+    target_dir: str
+    stage_dirs: dict[str, str]
+    stage_keys: dict[str, str]
+    tracking_uri: str
+    stages: list[dict[str, Any]] = field(default_factory=list)
+
+    def dir(self, stage: str) -> Path:
+        return Path(self.stage_dirs[stage])
+
+
+def _subtree(cfg: RootConfig, name: str) -> dict[str, Any]:
+    tree = asdict(getattr(cfg, name))
+    tree.pop("resources", None)
+    return tree
+
+
+def stage_keys(cfg: RootConfig) -> dict[str, str]:
+    """Cache keys: a hash of what determines each stage's output, chained through its upstream keys."""
+    target = _subtree(cfg, "target") | {"seed": cfg.seed}
+    keys: dict[str, str] = {}
+    keys["extract"] = stable_hash(
+        {"target": target, "data": _subtree(cfg, "data"), "extract": _subtree(cfg, "extract"), "seed": cfg.seed, "code": CODE_VERSION["extract"]}
+    )
+    keys["train"] = stable_hash(
+        {"extract": keys["extract"], "draft": _subtree(cfg, "draft"), "train": _subtree(cfg, "train"),
+         "serve_ids": serve_ids(cfg, cfg.train.layers), "code": CODE_VERSION["train"]}
+    )
+    keys["eval"] = stable_hash({"train": keys["train"], "eval": _subtree(cfg, "eval"), "code": CODE_VERSION["eval"]})
+    keys["serve"] = stable_hash({"train": keys["train"], "serve": _subtree(cfg, "serve"), "code": CODE_VERSION["serve"]})
+    return keys
+
+
+def serve_ids(cfg: RootConfig, layers: list[int]) -> list[int]:
+    t, s = cfg.target, cfg.serve
+    return layer_contract.to_engine_ids(s.engine, layers, t.num_hidden_layers, t.family, s.sglang_version)
+
+
+def stage_layer_ids(cfg: RootConfig, stage: str) -> dict[str, Any]:
+    """The layer ids a stage uses, in that stage's own convention."""
+    n = cfg.target.num_hidden_layers
+    if stage == "extract":
+        indices = []
+        for k in cfg.extract.layers:
+            try:
+                indices.append(layer_contract.hf_hidden_states_index(k, n))
+            except layer_contract.LayerContractError:
+                indices.append(None)  # the last layer's raw output is only reachable by a hook
+        return {
+            "convention": "hf",
+            "capture_points": [layer_contract.hf_capture_point(k, n) for k in cfg.extract.layers],
+            "hidden_states_indices": indices,
+            "teacher": {"kind": cfg.extract.teacher, "capture_point": layer_contract.hf_teacher_capture_point(cfg.extract.teacher, n)},
+        }
+    if stage == "train":
+        return {"convention": "canonical", "aux_layers": list(cfg.train.layers)}
+    engine = f"{cfg.serve.engine} (sglang {cfg.serve.sglang_version} rules, family {cfg.target.family})"
+    if stage == "eval":
+        return {
+            "convention": "draft config ids, read as serving reads them",
+            "engine": engine,
+            "eagle_aux_hidden_state_layer_ids": serve_ids(cfg, cfg.eval.layers),
+        }
+    ids = serve_ids(cfg, cfg.serve.layers)
+    return {
+        "convention": engine,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+        "captures_canonical": layer_contract.from_engine_ids(cfg.serve.engine, ids, n, cfg.target.family, cfg.serve.sglang_version),
+    }
+
+
+def make_plan(cfg: RootConfig, run_dir: Path) -> Plan:
+    run_dir = Path(run_dir).resolve()
+    keys = stage_keys(cfg)
+    cache = cfg.outputs / "cache"
+    dirs = {
+        "extract": cache / "extract" / keys["extract"],
+        "train": cache / "train" / keys["train"],
+        "eval": run_dir / "eval",
+        "serve": run_dir / "serve",
+    }
+    plan = Plan(
+        run_dir=str(run_dir),
+        target_dir=str(target_dir(cfg)),
+        stage_dirs={k: str(v) for k, v in dirs.items()},
+        stage_keys=keys,
+        tracking_uri=tracking.tracking_uri(cfg.tracking.uri, cfg.outputs),
+    )
+    inputs = {
+        "extract": {"target": plan.target_dir},
+        "train": {"extract": str(dirs["extract"])},
+        "eval": {"draft": str(dirs["train"] / "draft"), "target": plan.target_dir, "train_metrics": str(dirs["train"] / MANIFEST)},
+        "serve": {"draft": str(dirs["train"] / "draft"), "target": plan.target_dir, "eval": str(dirs["eval"])},
+    }
+    for stage in cfg.stages:
+        plan.stages.append(
+            {
+                "stage": stage,
+                "job_name": f"{cfg.run_name}-{stage}",
+                "key": keys[stage],
+                "resources": asdict(getattr(cfg, stage).resources),
+                "inputs": inputs[stage],
+                "output": str(dirs[stage]),
+                "cached": (dirs[stage] / MANIFEST).exists() and stage in ("extract", "train"),
+                "layer_ids": stage_layer_ids(cfg, stage),
+            }
+        )
+    return plan
+
+
+def run_stage(stage: str, cfg: RootConfig, plan: Plan, run_id: str) -> dict[str, Any]:
+    """Job entry point: runs one stage and logs to the pipeline's MLflow run."""
+    module = importlib.import_module(f"orchestrator.stages.{stage}")
+    tracker = tracking.Tracker(plan.tracking_uri, run_id)
+    started = time.time()
+    result = module.run(cfg, plan, tracker)
+    tracker.metrics({"seconds": time.time() - started}, prefix=f"{stage}/")
+    return result
+
+
+def print_plan(plan: Plan) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"plan  ({plan.run_dir})")
+    for col in ("stage", "job", "resources", "output", "layer ids (stage convention)"):
+        table.add_column(col, overflow="fold")
+    for s in plan.stages:
+        r = s["resources"]
+        res = f"{r['nodes']}x{r['gpus_per_node']} GPU, {r['cpus_per_task']} CPU, {r['mem_gb']} GB, {r['timeout_min']} min"
+        table.add_row(s["stage"], s["job_name"], res, s["output"] + (" (cached)" if s["cached"] else ""), json.dumps(s["layer_ids"]))
+    Console(width=200).print(table)
+
+
+def write_run_files(cfg: RootConfig, plan: Plan) -> None:
+    run_dir = Path(plan.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    write_json(run_dir / "plan.json", asdict(plan))
+
+
+def run_pipeline(cfg: RootConfig, run_dir: Path, sweep_dir: Path | None = None) -> dict[str, Any]:
+    """Runs the configured stage prefix; returns the summary (also written to `<run_dir>/summary.json`)."""
+    plan = make_plan(cfg, run_dir)
+    write_run_files(cfg, plan)
+    print_plan(plan)
+    if cfg.dry_run:
+        print(f"dry run: nothing submitted; plan written to {Path(plan.run_dir) / 'plan.json'}")
+        return {"dry_run": True, "plan": asdict(plan)}
+
+    parent = None
+    if sweep_dir is not None:
+        parent = tracking.sweep_parent_run(plan.tracking_uri, cfg.tracking.experiment, sweep_dir, cfg.run_name)
+    tracker = tracking.start_pipeline_run(
+        plan.tracking_uri, cfg.tracking.experiment, cfg.run_name, tracking.resolved_container(cfg),
+        list(cfg.aux_layers), Path(plan.run_dir), parent_run_id=parent,
+    )
+    results: dict[str, Any] = {}
+    try:
+        for entry in plan.stages:
+            stage = entry["stage"]
+            if entry["cached"]:
+                print(f"[{stage}] cached: {entry['output']}")
+                tracker.tags({f"{stage}.cached": "true"})
+                results[stage] = cached_result(stage, plan)
+                continue
+            job = runner.submit(
+                cfg.cluster, Path(plan.run_dir) / "jobs", entry["job_name"], getattr(cfg, stage).resources,
+                run_stage, stage, cfg, plan, tracker.run_id,
+            )
+            print(f"[{stage}] submitted job {job.job_id} ({cfg.cluster.kind})")
+            results[stage] = runner.wait(job, stage)
+        summary = build_summary(cfg, plan, results, tracker.run_id)
+        write_json(Path(plan.run_dir) / "summary.json", summary)
+        tracker.artifact(Path(plan.run_dir) / "summary.json")
+        tracker.finish()
+    except BaseException as exc:
+        tracker.fail(f"{type(exc).__name__}: {exc}")
+        raise
+    print_summary(summary)
+    return summary
+
+
+def cached_result(stage: str, plan: Plan) -> dict[str, Any]:
+    manifest = json.loads((plan.dir(stage) / MANIFEST).read_text())
+    return manifest.get("result", {}) | {"cached": True}
+
+
+def build_summary(cfg: RootConfig, plan: Plan, results: dict[str, Any], run_id: str) -> dict[str, Any]:
+    summary: dict[str, Any] = {
+        "run_name": cfg.run_name,
+        "aux_layers": list(cfg.aux_layers),
+        "mlflow_run_id": run_id,
+        "tracking_uri": plan.tracking_uri,
+        "run_dir": plan.run_dir,
+        "stages": results,
+    }
+    flags = []
+    for stage in ("eval", "serve"):
+        flags += results.get(stage, {}).get("mismatch_flags", [])
+    summary["mismatch_flags"] = flags
+    return summary
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"summary  (MLflow run {summary['mlflow_run_id']})")
+    table.add_column("stage")
+    table.add_column("result", overflow="fold")
+    for stage, result in summary["stages"].items():
+        headline = result.get("headline") or {k: v for k, v in result.items() if isinstance(v, (int, float, str, bool))}
+        table.add_row(stage, ", ".join(f"{k}={_fmt(v)}" for k, v in headline.items()))
+    table.add_row("mismatch", "; ".join(summary["mismatch_flags"]) or "none")
+    Console(width=200).print(table)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+

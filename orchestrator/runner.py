@@ -1,0 +1,73 @@
+"""The only module that talks to submitit: turns a stage call into a job on the configured cluster."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+import submitit
+
+from orchestrator.config import ClusterConfig, Resources
+
+
+class StageFailed(RuntimeError):
+    """A stage job that raised or died; carries the job's log tail."""
+
+
+def executor(cluster: ClusterConfig, folder: Path, name: str, resources: Resources, dependency: list[str] | None = None):
+    folder = Path(folder)
+    if cluster.kind == "debug":
+        ex = submitit.DebugExecutor(folder=folder)
+    elif cluster.kind == "local":
+        ex = submitit.LocalExecutor(folder=folder)
+        ex.update_parameters(timeout_min=resources.timeout_min)
+    elif cluster.kind == "slurm":
+        ex = submitit.SlurmExecutor(folder=folder)
+        ex.update_parameters(**slurm_parameters(cluster, name, resources, dependency))
+    else:
+        raise ValueError(f"cluster.kind={cluster.kind!r}: expected local, debug or slurm")
+    return ex
+
+
+def slurm_parameters(cluster: ClusterConfig, name: str, resources: Resources, dependency: list[str] | None) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "job_name": name,
+        "nodes": resources.nodes,
+        "cpus_per_task": resources.cpus_per_task,
+        "mem": f"{resources.mem_gb}GB",
+        "time": resources.timeout_min,
+        "ntasks_per_node": 1,
+    }
+    if resources.gpus_per_node:
+        params["gpus_per_node"] = resources.gpus_per_node
+    for key in ("partition", "account", "qos", "constraint"):
+        value = getattr(cluster, key)
+        if value:
+            params[key] = value
+    if cluster.setup:
+        params["setup"] = list(cluster.setup)
+    if dependency:
+        params["additional_parameters"] = {"dependency": "afterok:" + ":".join(dependency)}
+    return params
+
+
+def submit(cluster: ClusterConfig, folder: Path, name: str, resources: Resources, fn: Callable, *args, dependency=None):
+    return executor(cluster, folder, name, resources, dependency).submit(fn, *args)
+
+
+def wait(job, stage: str) -> Any:
+    """The job's result, or StageFailed with the error and the tail of the job's stderr."""
+    try:
+        return job.result()
+    except Exception as exc:  # submitit wraps the remote traceback in its own exception types
+        tail = ""
+        try:
+            tail = "\n".join((job.stderr() or "").splitlines()[-30:])
+        except Exception:
+            pass
+        raise StageFailed(f"stage {stage} (job {job.job_id}) failed: {exc}\n--- job log tail ---\n{tail}") from None
+
+
+def resources_dict(resources: Resources) -> dict[str, Any]:
+    return asdict(resources)

@@ -1,0 +1,1 @@
+"""The four stages: plain functions `run(cfg, plan, tracker) -> dict`."""
