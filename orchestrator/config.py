@@ -157,6 +157,8 @@ class ServeConfig:
     startup_timeout_s: float = 120.0
     request_timeout_s: float = 120.0
     accept_length_tolerance: float = 0.10
+    # Refuse to serve a draft whose config ids do not capture the layers it was trained on.
+    guard: bool = True
     threads: Optional[int] = None
     resources: Resources = field(default_factory=Resources)
 

@@ -145,7 +145,7 @@ VLLM_ENTERING = IdRule(
 )
 
 # SGLang versions that include PR #25454 (the first-id rule for the DeepSeek/Kimi family).
-SGLANG_FIRST_ID_SINCE = (0, 5, 12)
+SGLANG_FIRST_ID_SINCE = (0, 5, 13)
 
 SGLANG_FAMILIES = ("llama", "deepseek_v3", "kimi_k25")
 

@@ -102,3 +102,27 @@ def load_target(path: Path, trust_remote_code: bool = False):
 def target_config_json(path: Path) -> dict[str, Any]:
     conf = json.loads((Path(path) / "config.json").read_text())
     return conf.get("text_config", conf)
+
+
+def load_head_tensors(path: Path) -> dict[str, "torch.Tensor"]:
+    """The target's input embedding, final norm and lm_head weights, read by name without loading the model.
+
+    Returns keys `embed`, `norm`, `lm_head` (float32); `lm_head` falls back to `embed` for tied embeddings.
+    """
+    import torch
+    from safetensors import safe_open
+
+    wanted = {"embed": "embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                for name, suffix in wanted.items():
+                    if name not in found and key.endswith(suffix) and "mtp" not in key:
+                        found[name] = f.get_tensor(key).float()
+    if "lm_head" not in found and "embed" in found:
+        found["lm_head"] = found["embed"]
+    missing = [n for n in wanted if n not in found]
+    if missing:
+        raise ArtifactError(f"{path}: no weights named *{[wanted[m] for m in missing]} in its safetensors files")
+    return found

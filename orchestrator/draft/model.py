@@ -1,0 +1,302 @@
+"""The EAGLE-3 draft in plain PyTorch, with SGLang's `LlamaForCausalLMEagle3` parameter names and shapes.
+
+    h0      = fc(cat(aux states))                              [T, K*Ht] -> [T, H]
+    x       = cat(input_layernorm(embed(next token)), hidden_norm(h))     [T, 2H]
+    a       = o_proj(attention(q/k/v_proj(x)))      residual r = h + a
+    out     = r + mlp(post_attention_layernorm(r))  (pre-norm state: fed to the next draft step as h)
+    logits  = lm_head(norm(out))                    over the draft vocabulary; target id = id + d2t[id]
+
+Two ways to run it, mathematically the same:
+  * `unroll` (training-time test, and standalone eval): every position of a sequence drafts a chain of
+    `steps` tokens at once. Step k at position t attends to step 0's keys at positions <= t and to its own
+    chain's keys (steps 1..k at t); its position id is t + k.
+  * `extend` / `chain` with a `DraftCache` (the reference engine): what a serving engine does token by token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class DraftShape:
+    hidden_size: int
+    target_hidden_size: int
+    num_aux_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    draft_vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class Rope(nn.Module):
+    """Llama rotary embedding (no scaling), for position ids of any shape."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x [B, heads, T, D]; positions [B, T]
+        freqs = positions[:, None, :, None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (x.float() * emb.cos() + rotate_half(x.float()) * emb.sin()).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: DraftShape):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = s.num_attention_heads, s.num_key_value_heads, s.head_dim
+        self.q_proj = nn.Linear(2 * s.hidden_size, self.heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * s.hidden_size, self.kv_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * s.hidden_size, self.kv_heads * s.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * s.head_dim, s.hidden_size, bias=False)
+        self.rope = Rope(s.head_dim, s.rope_theta)
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        rep = self.heads // self.kv_heads
+        return q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+    def out(self, ctx: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = ctx.shape
+        return self.o_proj(ctx.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: DraftShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, s: DraftShape):
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.hidden_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.self_attn = Attention(s)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.mlp = MLP(s)
+
+    def attn_input(self, embeds: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(h)], dim=-1)
+
+    def finish(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        r = h + attn_out
+        return r + self.mlp(self.post_attention_layernorm(r))
+
+
+@dataclass
+class DraftCache:
+    """Keys/values of committed positions (step-0 entries), [1, heads, T, D] each."""
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+@dataclass
+class Unrolled:
+    logits: list[torch.Tensor]  # per step [B, L, Vd]
+    tokens: list[torch.Tensor]  # per step [B, L] target ids of the draft's argmax
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, s: DraftShape):
+        super().__init__()
+        self.shape = s
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(s.num_aux_layers * s.target_hidden_size, s.hidden_size, bias=False)
+        self.midlayer = MidLayer(s)
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.lm_head = nn.Linear(s.hidden_size, s.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(s.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(s.vocab_size, dtype=torch.bool))
+
+    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(out))
+
+    # ------------------------------------------------------------------ training-time test / standalone eval
+    def unroll(
+        self,
+        aux: torch.Tensor,
+        next_ids: torch.Tensor,
+        valid: torch.Tensor,
+        steps: int,
+        token_source: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    ) -> Unrolled:
+        """Drafts `steps` tokens from every position at once.
+
+        aux [B, L, K*Ht] target states at t; next_ids [B, L] token t+1 (its embedding joins step 0); valid [B, L].
+        `token_source(k, draft_tokens)` gives the token ids whose embeddings step k+1 consumes, [B, L]
+        (teacher forcing: the text's token t+k+2; serving: the draft's own `draft_tokens`). None: own tokens.
+        """
+        b, length, _ = aux.shape
+        positions = torch.arange(length, device=aux.device).expand(b, length)
+        causal = torch.ones(length, length, dtype=torch.bool, device=aux.device).tril()
+        mask0 = causal[None, None] & valid[:, None, None, :]
+        attn = self.midlayer.self_attn
+        scale = 1.0 / math.sqrt(attn.head_dim)
+
+        h = self.fc(aux)
+        ids = next_ids
+        keys0 = vals0 = None
+        chain_k: list[torch.Tensor] = []
+        chain_v: list[torch.Tensor] = []
+        out_logits, out_tokens = [], []
+        for k in range(steps):
+            x = self.midlayer.attn_input(self.embed_tokens(ids), h)
+            q, key, val = attn.qkv(x, positions + k)
+            if k == 0:
+                keys0, vals0 = key, val
+                scores = (q @ keys0.transpose(-1, -2)) * scale
+                scores = scores.masked_fill(~mask0, float("-inf"))
+                probs = scores.softmax(-1)
+                ctx = probs @ vals0
+            else:
+                chain_k.append(key)
+                chain_v.append(val)
+                causal_scores = ((q @ keys0.transpose(-1, -2)) * scale).masked_fill(~mask0, float("-inf"))
+                diag = torch.stack([(q * ck).sum(-1) for ck in chain_k], dim=-1) * scale  # [B, h, L, k]
+                probs = torch.cat([causal_scores, diag], dim=-1).softmax(-1)
+                ctx = probs[..., :length] @ vals0
+                for j, cv in enumerate(chain_v):
+                    ctx = ctx + probs[..., length + j, None] * cv
+            h = self.midlayer.finish(h, attn.out(ctx))
+            logits = self.logits(h)
+            tokens = self.to_target_ids(logits.argmax(-1))
+            out_logits.append(logits)
+            out_tokens.append(tokens)
+            if k + 1 < steps:
+                ids = tokens if token_source is None else token_source(k, tokens)
+        return Unrolled(out_logits, out_tokens)
+
+    # ------------------------------------------------------------------------- incremental (serving) path
+    def _cached_step(self, h: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, cache: DraftCache, commit: bool):
+        attn = self.midlayer.self_attn
+        x = self.midlayer.attn_input(self.embed_tokens(ids), h)
+        q, k, v = attn.qkv(x, positions)
+        keys = k if cache.k is None else torch.cat([cache.k, k], dim=2)
+        vals = v if cache.v is None else torch.cat([cache.v, v], dim=2)
+        t_new, t_all = q.shape[2], keys.shape[2]
+        mask = torch.ones(t_new, t_all, dtype=torch.bool, device=h.device).tril(t_all - t_new)
+        ctx = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+        out = self.midlayer.finish(h, attn.out(ctx))
+        if commit:
+            cache.k, cache.v = keys, vals
+        return out, keys, vals
+
+    @torch.no_grad()
+    def extend(self, aux: torch.Tensor, next_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
+        """Commits positions start..start+T-1 (target states `aux` [1, T, K*Ht], tokens t+1 `next_ids` [1, T]).
+
+        Returns the pre-norm output at the last position, the chain's starting state."""
+        if cache.length != start:
+            raise RuntimeError(f"draft cache holds {cache.length} positions, extend starts at {start}")
+        positions = torch.arange(start, start + aux.shape[1])[None]
+        out, _, _ = self._cached_step(self.fc(aux), next_ids, positions, cache, commit=True)
+        return out[:, -1:]
+
+    @torch.no_grad()
+    def chain(self, out: torch.Tensor, last_position: int, cache: DraftCache, steps: int) -> list[int]:
+        """Greedy chain of `steps` draft tokens (target ids) from the state `extend` returned."""
+        committed = cache.length
+        tokens: list[int] = []
+        h = out
+        token = self.to_target_ids(self.logits(h).argmax(-1))
+        tokens.append(int(token))
+        for k in range(1, steps):
+            positions = torch.tensor([[last_position + k]])
+            h, keys, vals = self._cached_step(h, token.view(1, 1), positions, cache, commit=True)
+            token = self.to_target_ids(self.logits(h).argmax(-1))
+            tokens.append(int(token))
+        cache.crop(committed)
+        return tokens
+
+
+def default_shape(
+    target_hidden: int,
+    vocab: int,
+    num_aux: int,
+    hidden: int | None,
+    heads: int,
+    kv_heads: int,
+    head_dim: int | None,
+    intermediate: int | None,
+    draft_vocab: int | None,
+    eps: float,
+    rope_theta: float,
+    max_positions: int,
+) -> DraftShape:
+    hidden = hidden or target_hidden
+    return DraftShape(
+        hidden_size=hidden,
+        target_hidden_size=target_hidden,
+        num_aux_layers=num_aux,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim or hidden // heads,
+        intermediate_size=intermediate or int(hidden * 8 / 3 // 16 * 16),
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab or vocab,
+        rms_norm_eps=eps,
+        rope_theta=rope_theta,
+        max_position_embeddings=max_positions,
+    )

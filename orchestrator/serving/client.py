@@ -1,0 +1,163 @@
+"""Server lifecycle and the engine-agnostic benchmark client (SGLang's HTTP API).
+
+`ServerProcess` starts a server command as a child in its own process group on 127.0.0.1, waits for
+/health, and always stops the whole group (on errors and Ctrl-C too); a failed start raises with the log's
+tail. `benchmark` sends the prompt set greedily at a concurrency level and measures output tok/s, latency and
+accept length = Σ completion_tokens / Σ spec_verify_ct over the finished responses.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import requests
+
+
+class ServerError(RuntimeError):
+    """A server that failed to start, hung, or died; the message carries its log tail."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class ServerProcess:
+    def __init__(self, command: list[str], port: int, log_path: Path, startup_timeout: float, env: dict | None = None):
+        self.command, self.port, self.log_path = command, port, Path(log_path)
+        self.startup_timeout = startup_timeout
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self) -> "ServerProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        self._log.write(("$ " + " ".join(self.command) + "\n").encode())
+        self._log.flush()
+        try:
+            self.proc = subprocess.Popen(
+                self.command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, **(self.env or {})},
+            )
+        except OSError as exc:
+            self._log.close()
+            raise ServerError(f"cannot start {self.command[0]!r}: {exc}") from None
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def fail(self, what: str) -> ServerError:
+        return ServerError(f"{what}\n--- server log tail ({self.log_path}) ---\n{log_tail(self.log_path)}")
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise self.fail(f"server exited with code {self.proc.returncode} before becoming healthy")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.3)
+        raise self.fail(f"server not healthy after {self.startup_timeout:.0f} s (serve.startup_timeout_s)")
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stops the server's whole process group: SIGTERM, then SIGKILL after `grace` seconds."""
+        if self.proc is None:
+            return
+        try:
+            pgid = os.getpgid(self.proc.pid)
+        except ProcessLookupError:
+            pgid = None
+        if pgid is not None:
+            _killpg(pgid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                _killpg(pgid, signal.SIGKILL)
+            _killpg(pgid, signal.SIGKILL)  # anything the leader left behind in its group
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def generate(server: ServerProcess, prompt: list[int], max_new_tokens: int, timeout: float) -> dict[str, Any]:
+    payload = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
+    started = time.perf_counter()
+    try:
+        r = requests.post(f"{server.url}/generate", json=payload, timeout=timeout)
+    except requests.Timeout:
+        raise server.fail(f"request timed out after {timeout:.0f} s (serve.request_timeout_s): the server hangs") from None
+    except requests.RequestException as exc:
+        state = "died" if not server.alive() else "dropped the connection"
+        raise server.fail(f"server {state} mid-benchmark ({type(exc).__name__})") from None
+    if r.status_code != 200:
+        raise server.fail(f"/generate answered {r.status_code}: {r.text[:500]}")
+    body = r.json()
+    body["latency_s"] = time.perf_counter() - started
+    return body
+
+
+def benchmark(server: ServerProcess, prompts: list[list[int]], max_new_tokens: int, concurrency: int, timeout: float) -> dict[str, Any]:
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        responses = list(pool.map(lambda p: generate(server, p, max_new_tokens, timeout), prompts))
+    wall = time.perf_counter() - started
+    completion = sum(r["meta_info"]["completion_tokens"] for r in responses)
+    verify = [r["meta_info"].get("spec_verify_ct") for r in responses]
+    latencies = [r["latency_s"] for r in responses]
+    return {
+        "concurrency": concurrency,
+        "requests": len(responses),
+        "completion_tokens": completion,
+        "wall_s": wall,
+        "output_tok_s": completion / wall,
+        "latency_mean_s": statistics.mean(latencies),
+        "latency_p50_s": statistics.median(latencies),
+        "latency_max_s": max(latencies),
+        "accept_length": completion / sum(verify) if None not in verify and sum(verify) else None,
+        "output_ids": [r["output_ids"] for r in responses],
+    }
+
+
+def server_info(server: ServerProcess) -> dict[str, Any]:
+    return requests.get(f"{server.url}/server_info", timeout=10).json()
+
+
+def flush_cache(server: ServerProcess) -> None:
+    requests.post(f"{server.url}/flush_cache", timeout=30)

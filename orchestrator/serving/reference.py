@@ -1,0 +1,234 @@
+"""The reference engine: the project's own speculative-decoding server for CPU runs.
+
+An HF target plus an exported EAGLE-3 draft directory, chained greedy drafting with KV caches for both, exact
+greedy verification. It reads the draft directory as SGLang does (ids from `eagle_config`, decoded with
+SGLang's rule for the target's family and version, so a mis-exported draft misbehaves here as it would
+there) and speaks the subset of SGLang's HTTP API the benchmark client uses:
+
+    GET  /health        200 once the models are loaded
+    POST /generate      {"input_ids": [...] | [[...], ...], "sampling_params": {"max_new_tokens": N}}
+                        -> {"output_ids", "text", "meta_info": {"prompt_tokens", "completion_tokens",
+                            "spec_verify_ct", "finish_reason", "e2e_latency"}}
+    GET  /server_info   {"internal_states": [{"avg_spec_accept_length", ...}]}
+    POST /flush_cache   resets the running statistics
+
+Without `--draft` it is the baseline: the same target, one token per forward.
+Run: python -m orchestrator.serving.reference --target DIR [--draft DIR] --port P
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from orchestrator import layers as layer_contract
+from orchestrator.capture import HiddenStateCapture, num_decoder_layers
+from orchestrator.draft.export import load_draft
+from orchestrator.draft.model import DraftCache
+from orchestrator.targets import load_target
+
+
+class Engine:
+    def __init__(self, target: Path, draft: Path | None, steps: int, family: str, sglang_version: str):
+        self.model, self.tokenizer = load_target(target)
+        self.eos = self.tokenizer.eos_token_id
+        self.steps = steps
+        self.draft = None
+        self.layers: list[int] = []
+        if draft is not None:
+            self.draft, conf = load_draft(draft)
+            ids = conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+            n = num_decoder_layers(self.model)
+            self.layers = layer_contract.from_sglang_ids(ids, n, family, sglang_version)
+            if len(self.layers) != self.draft.shape.num_aux_layers:
+                raise RuntimeError(
+                    f"captured {len(self.layers)} of {self.draft.shape.num_aux_layers} aux hidden states: the draft "
+                    f"config's ids {ids} capture {self.layers} on this {n}-layer target ({family}, sglang {sglang_version} rules)"
+                )
+        self.stats_lock = threading.Lock()
+        self.flush()
+
+    def flush(self) -> None:
+        with self.stats_lock:
+            self.total_completion = 0
+            self.total_verify = 0
+            self.histogram = [0] * (self.steps + 1)
+
+    @torch.no_grad()
+    def generate(self, prompt: list[int], max_new: int) -> dict[str, Any]:
+        if self.draft is None:
+            out, verify, hist = self._baseline(prompt, max_new), 0, None
+        else:
+            out, verify, hist = self._speculative(prompt, max_new)
+        with self.stats_lock:
+            self.total_completion += len(out)
+            self.total_verify += verify
+            if hist:
+                self.histogram = [a + b for a, b in zip(self.histogram, hist)]
+        finish = {"type": "stop", "matched": self.eos} if out and out[-1] == self.eos else {"type": "length", "length": max_new}
+        return {"output_ids": out, "verify": verify, "finish_reason": finish}
+
+    def _baseline(self, prompt: list[int], max_new: int) -> list[int]:
+        cache = DynamicCache()
+        logits = self.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
+        out = []
+        while True:
+            token = int(logits[0, -1].argmax())
+            out.append(token)
+            if len(out) >= max_new or token == self.eos:
+                return out
+            logits = self.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits
+
+    def _speculative(self, prompt: list[int], max_new: int) -> tuple[list[int], int, list[int]]:
+        steps = self.steps
+        cache, dcache = DynamicCache(), DraftCache()
+        histogram = [0] * (steps + 1)
+        with HiddenStateCapture(self.model, self.layers) as capture:
+            logits = self.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
+            token = int(logits[0, -1].argmax())
+            out = [token]
+            # Commit positions 0..P-1: target states there, each with the token that follows it.
+            h = self.draft.extend(capture.aux(), torch.tensor([prompt[1:] + [token]]), 0, dcache)
+            last = len(prompt) - 1
+            verify = 0
+            while len(out) < max_new and token != self.eos:
+                drafts = self.draft.chain(h, last, dcache, steps)
+                logits = self.model(input_ids=torch.tensor([[token] + drafts]), past_key_values=cache, use_cache=True).logits
+                preds = logits[0].argmax(-1).tolist()
+                accepted = 0
+                while accepted < steps and drafts[accepted] == preds[accepted]:
+                    accepted += 1
+                new = drafts[:accepted] + [preds[accepted]]
+                verify += 1
+                histogram[accepted] += 1
+                cache.crop(last + 1 + accepted + 1)
+                h = self.draft.extend(capture.aux()[:, : accepted + 1], torch.tensor([new]), last + 1, dcache)
+                last += accepted + 1
+                token = new[-1]
+                for t in new:
+                    out.append(t)
+                    if len(out) >= max_new or t == self.eos:
+                        token = self.eos if t == self.eos else token
+                        break
+        return out[:max_new], verify, histogram
+
+    def server_info(self) -> dict[str, Any]:
+        with self.stats_lock:
+            avg = self.total_completion / self.total_verify if self.total_verify else None
+            state = {
+                "avg_spec_accept_length": avg,
+                "spec_accept_histogram": list(self.histogram),
+                "total_completion_tokens": self.total_completion,
+                "total_verify_ct": self.total_verify,
+            }
+        return {
+            "internal_states": [state],
+            "speculative_algorithm": "EAGLE3" if self.draft is not None else None,
+            "speculative_num_steps": self.steps if self.draft is not None else None,
+            "aux_layers_captured": self.layers,
+            "engine": "orchestrator-reference",
+        }
+
+
+def make_handler(engine: Engine, lock: threading.Lock):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):  # one line per request on stderr, like a server log
+            print(f"{self.address_string()} {fmt % args}", flush=True)
+
+        def _send(self, code: int, payload: Any) -> None:
+            body = json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _body(self) -> dict[str, Any]:
+            length = int(self.headers.get("Content-Length") or 0)
+            return json.loads(self.rfile.read(length) or b"{}")
+
+        def do_GET(self):
+            if self.path == "/health":
+                self._send(200, {"status": "ok"})
+            elif self.path in ("/server_info", "/get_server_info"):
+                self._send(200, engine.server_info())
+            else:
+                self._send(404, {"error": f"unknown path {self.path}"})
+
+        def do_POST(self):
+            if self.path == "/flush_cache":
+                engine.flush()
+                self._send(200, {"success": True})
+                return
+            if self.path != "/generate":
+                self._send(404, {"error": f"unknown path {self.path}"})
+                return
+            try:
+                request = self._body()
+                batch = request.get("input_ids")
+                if batch is None and "text" in request:
+                    texts = request["text"]
+                    batch = [engine.tokenizer(t)["input_ids"] for t in ([texts] if isinstance(texts, str) else texts)]
+                    single = isinstance(texts, str)
+                else:
+                    single = bool(batch) and isinstance(batch[0], int)
+                if not batch:
+                    raise ValueError("request needs input_ids or text")
+                prompts = [batch] if single else batch
+                max_new = int(request.get("sampling_params", {}).get("max_new_tokens", 128))
+                responses = []
+                for prompt in prompts:
+                    started = time.perf_counter()
+                    with lock:  # one sequence at a time: the reference engine does not batch
+                        result = engine.generate(list(prompt), max_new)
+                    meta = {
+                        "prompt_tokens": len(prompt),
+                        "completion_tokens": len(result["output_ids"]),
+                        "finish_reason": result["finish_reason"],
+                        "e2e_latency": time.perf_counter() - started,
+                    }
+                    if engine.draft is not None:
+                        meta["spec_verify_ct"] = result["verify"]
+                    responses.append({
+                        "text": engine.tokenizer.decode(result["output_ids"]),
+                        "output_ids": result["output_ids"],
+                        "meta_info": meta,
+                    })
+                self._send(200, responses[0] if single else responses)
+            except Exception as exc:  # a bad request must not kill the server
+                self._send(400, {"error": f"{type(exc).__name__}: {exc}"})
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", required=True, type=Path)
+    parser.add_argument("--draft", type=Path, default=None)
+    parser.add_argument("--num-steps", type=int, default=3)
+    parser.add_argument("--family", required=True)
+    parser.add_argument("--sglang-version", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = Engine(args.target, args.draft, args.num_steps, args.family, args.sglang_version)
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(engine, threading.Lock()))
+    print(f"reference engine ready on http://{args.host}:{args.port} (draft={args.draft}, layers={engine.layers})", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

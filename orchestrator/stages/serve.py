@@ -1,0 +1,167 @@
+"""Serving: the target with and without the draft behind the same HTTP API, benchmarked side by side.
+
+Baseline and speculative servers run one after the other in this stage on the same prompt set, so the speedup
+is a ratio measured in one run. The engine is SGLang (GPU; `orchestrator.serving.sglang` builds its command)
+or the project's reference engine (CPU). A benchmark never resumes half-way: each server starts clean.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from orchestrator import layers as layer_contract
+from orchestrator.artifacts import read_json, write_json, write_manifest
+from orchestrator.config import RootConfig
+from orchestrator.data import conversations, prompt_ids
+from orchestrator.serving import client
+from orchestrator.serving import sglang as sglang_engine
+from orchestrator.targets import target_config_json
+
+
+def served_draft_dir(cfg: RootConfig, plan, trained: Path) -> Path:
+    """The draft directory to serve: the trained one, or a copy whose ids say `serve.layers` when those differ
+    from the trained layers (a deliberate mismatch, e.g. the seed replay; the guard refuses it)."""
+    if list(cfg.serve.layers) == list(cfg.train.layers):
+        return trained
+    copy = plan.dir("serve") / "draft_served"
+    if copy.exists():
+        shutil.rmtree(copy)
+    shutil.copytree(trained, copy)
+    conf = read_json(copy / "config.json", "draft config")
+    t = cfg.target
+    conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = _ids_as_written(cfg, list(cfg.serve.layers))
+    write_json(copy / "config.json", conf)
+    return copy
+
+
+def _ids_as_written(cfg: RootConfig, layers: list[int]) -> list[int]:
+    t = cfg.target
+    try:
+        return layer_contract.to_engine_ids(cfg.serve.engine, layers, t.num_hidden_layers, t.family, cfg.serve.sglang_version)
+    except layer_contract.LayerContractError:
+        return layers  # written as-is, as a pipeline without the contract would
+
+
+def server_command(cfg: RootConfig, target: Path, draft: Path | None, port: int) -> list[str]:
+    s = cfg.serve
+    if s.engine == "sglang":
+        return sglang_engine.launch_command(cfg, str(target), str(draft) if draft else None, port)
+    cmd = [sys.executable, "-m", "orchestrator.serving.reference", "--target", str(target), "--port", str(port),
+           "--num-steps", str(s.num_steps), "--family", cfg.target.family, "--sglang-version", s.sglang_version]
+    if draft:
+        cmd += ["--draft", str(draft)]
+    if s.threads:
+        cmd += ["--threads", str(s.threads)]
+    return cmd
+
+
+def run_server(cfg: RootConfig, mode: str, target: Path, draft: Path | None, prompts: list[list[int]], out: Path) -> dict[str, Any]:
+    s = cfg.serve
+    port = client.free_port()
+    command = server_command(cfg, target, draft, port)
+    if s.engine == "sglang" and sglang_engine.sglang_available(s.python):
+        sglang_engine.validate_with_sglang(s.python, command)
+    log = out / f"{mode}_server.log"
+    print(f"[serve] {mode}: {' '.join(command)}")
+    with client.ServerProcess(command, port, log, s.startup_timeout_s) as server:
+        client.generate(server, prompts[0], min(8, s.max_new_tokens), s.request_timeout_s)  # warm-up
+        client.flush_cache(server)
+        runs = [client.benchmark(server, prompts, s.max_new_tokens, c, s.request_timeout_s) for c in s.concurrency]
+        info = client.server_info(server)
+    return {"command": command, "log": str(log), "runs": runs, "server_info": info}
+
+
+def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
+    s = cfg.serve
+    out = plan.dir("serve")
+    out.mkdir(parents=True, exist_ok=True)
+    target = Path(plan.target_dir)
+    draft = served_draft_dir(cfg, plan, plan.dir("train") / "draft")
+    flags: list[str] = []
+    try:
+        ids = sglang_engine.check_draft_for_serving(cfg, draft, target_config_json(target))
+    except sglang_engine.ServingRefused as exc:
+        if s.guard:
+            raise
+        flags.append(f"serve: guard off, serving anyway a draft the guard refuses: {exc}")
+        ids = read_json(draft / "config.json", "draft config")["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    tracker.params({"serve.eagle_aux_hidden_state_layer_ids": json.dumps(ids)})
+
+    from orchestrator.targets import load_target
+
+    _, tokenizer = load_target(target, cfg.target.trust_remote_code)
+    _, val_convs = conversations(cfg.data, cfg.seed)
+    prompts = [prompt_ids(tokenizer, c, cfg.data.max_seq_len) for c in val_convs[: s.prompts]]
+
+    servers = {}
+    try:
+        servers["baseline"] = run_server(cfg, "baseline", target, None, prompts, out)
+        servers["speculative"] = run_server(cfg, "speculative", target, draft, prompts, out)
+    finally:
+        for mode in ("baseline", "speculative"):
+            log = out / f"{mode}_server.log"
+            if log.exists():
+                tracker.artifact(log, "serve")
+
+    per_concurrency = []
+    identical = True
+    for base, spec in zip(servers["baseline"]["runs"], servers["speculative"]["runs"]):
+        same = base["output_ids"] == spec["output_ids"]
+        identical &= same
+        per_concurrency.append({
+            "concurrency": base["concurrency"],
+            "baseline_tok_s": base["output_tok_s"],
+            "spec_tok_s": spec["output_tok_s"],
+            "speedup": spec["output_tok_s"] / base["output_tok_s"],
+            "accept_length": spec["accept_length"],
+            "baseline_latency_mean_s": base["latency_mean_s"],
+            "spec_latency_mean_s": spec["latency_mean_s"],
+            "greedy_outputs_identical": same,
+        })
+    head = per_concurrency[0]
+    if not identical:
+        flags.append("serve: greedy outputs with and without speculation differ: verification is not exact")
+    state = servers["speculative"]["server_info"]["internal_states"][0]
+    histogram = state.get("spec_accept_histogram")
+    result: dict[str, Any] = {k: head[k] for k in ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length")}
+    result |= {"greedy_outputs_identical": identical, "per_concurrency": per_concurrency, "eagle_aux_hidden_state_layer_ids": ids}
+    if histogram:
+        reached = [sum(histogram[j:]) for j in range(len(histogram))]
+        result["accept_rate_by_position"] = [reached[k + 1] / reached[k] if reached[k] else 0.0 for k in range(len(histogram) - 1)]
+        result["accept_histogram"] = histogram
+    eval_manifest = plan.dir("eval") / "manifest.json"
+    if eval_manifest.exists():
+        expected = read_json(eval_manifest, "eval manifest")["result"].get("expected_accept_length")
+        result["eval_expected_accept_length"] = expected
+        if expected and head["accept_length"]:
+            rel = abs(head["accept_length"] - expected) / expected
+            result["accept_length_rel_diff"] = rel
+            if rel > s.accept_length_tolerance:
+                flags.append(
+                    f"serve: served accept length {head['accept_length']:.3f} differs from eval's expected "
+                    f"{expected:.3f} by {rel:.1%} (> serve.accept_length_tolerance={s.accept_length_tolerance:.0%}): "
+                    "serving feeds the draft differently from the standalone eval (layer ids, capture points, dtype)"
+                )
+    result["mismatch"] = bool(flags)
+    result["mismatch_flags"] = flags
+    result["headline"] = {k: result.get(k) for k in ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length", "eval_expected_accept_length", "greedy_outputs_identical")}
+
+    metrics = {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    metrics["mismatch"] = float(result["mismatch"])
+    metrics["greedy_outputs_identical"] = float(identical)
+    for i, rate in enumerate(result.get("accept_rate_by_position", [])):
+        metrics[f"accept_rate_{i}"] = rate
+    for row in per_concurrency:
+        metrics |= {f"c{row['concurrency']}_{k}": v for k, v in row.items() if isinstance(v, float)}
+    tracker.metrics(metrics, prefix="serve/")
+    tracker.tags({"serve.mismatch": str(result["mismatch"]).lower()})
+    detail = {"result": result, "servers": {m: {k: v for k, v in srv.items() if k != "runs"} | {"runs": [{k: v for k, v in r.items() if k != "output_ids"} for r in srv["runs"]]} for m, srv in servers.items()}}
+    write_json(out / "serve.json", detail)
+    write_manifest(out, {"stage": "serve", "key": plan.stage_keys["serve"], "result": result})
+    for flag in flags:
+        print(f"[serve] MISMATCH: {flag}")
+    return result

@@ -1,0 +1,324 @@
+"""Training: the EAGLE-3 draft on extracted states, with the training-time test, exported for SGLang.
+
+Alignment (DOMAIN.md §2): position t gets the aux states at t and the embedding of token t+1; TTT step k
+at t predicts the target's distribution at position t+k+1, counted where the loss mask at t+k+1 is set.
+Output folder: checkpoints/ (resume), draft/ (SGLang draft directory), metrics.json, accuracy plot, manifest.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from orchestrator import layers as layer_contract
+from orchestrator.artifacts import ArtifactError, atomic_path, file_sha256, write_json, write_manifest
+from orchestrator.config import RootConfig
+from orchestrator.draft import export as draft_export
+from orchestrator.draft.model import Eagle3Draft, default_shape
+from orchestrator.stages.extract import load_manifest_checked
+from orchestrator.targets import load_head_tensors, target_config_json, tokenizer_hash
+
+
+@dataclass
+class Sequence:
+    input_ids: torch.Tensor  # [L] int64
+    loss_mask: torch.Tensor  # [L] bool
+    aux: torch.Tensor  # [L, K*Ht]
+    teacher: torch.Tensor  # [L, Ht]
+
+
+def load_split(folder: Path, manifest: dict[str, Any], split: str, verify: bool = True) -> list[Sequence]:
+    """Sequences of one split, each shard checked against the manifest's size and checksum."""
+    seqs: list[Sequence] = []
+    for record in manifest["splits"][split]["shards"]:
+        path = Path(folder) / record["file"]
+        if not path.exists() or path.stat().st_size != record["bytes"]:
+            raise ArtifactError(f"{path}: missing or of the wrong size (manifest says {record['bytes']} bytes); re-run extraction")
+        if verify and file_sha256(path) != record["sha256"]:
+            raise ArtifactError(f"{path}: checksum differs from the extraction manifest; the shard is corrupt, re-run extraction")
+        t = load_file(str(path))
+        offsets = [0] + torch.cumsum(t["seq_lens"].long(), 0).tolist()
+        for a, b in zip(offsets[:-1], offsets[1:]):
+            seqs.append(
+                Sequence(t["input_ids"][a:b].long(), t["loss_mask"][a:b].bool(), t["aux_hidden_states"][a:b], t["teacher_hidden_state"][a:b])
+            )
+    return seqs
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # [B, L]
+    loss_mask: torch.Tensor  # [B, L]
+    lengths: torch.Tensor  # [B]
+    aux: torch.Tensor  # [B, L, K*Ht] float32
+    teacher: torch.Tensor  # [B, L, Ht] float32
+
+
+def collate(seqs: list[Sequence]) -> Batch:
+    width = max(len(s.input_ids) for s in seqs)
+    b = len(seqs)
+    ids = torch.zeros(b, width, dtype=torch.long)
+    mask = torch.zeros(b, width, dtype=torch.bool)
+    aux = torch.zeros(b, width, seqs[0].aux.shape[-1])
+    teacher = torch.zeros(b, width, seqs[0].teacher.shape[-1])
+    for i, s in enumerate(seqs):
+        n = len(s.input_ids)
+        ids[i, :n], mask[i, :n], aux[i, :n], teacher[i, :n] = s.input_ids, s.loss_mask, s.aux.float(), s.teacher.float()
+    return Batch(ids, mask, torch.tensor([len(s.input_ids) for s in seqs]), aux, teacher)
+
+
+class TeacherHead(torch.nn.Module):
+    """The target's frozen final norm (for pre-norm teacher states) and lm_head."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], teacher: str, eps: float):
+        super().__init__()
+        self.teacher, self.eps = teacher, eps
+        self.register_buffer("norm", tensors["norm"])
+        self.register_buffer("lm_head", tensors["lm_head"])
+
+    def forward(self, state: torch.Tensor) -> torch.Tensor:
+        if self.teacher == "pre_norm":
+            state = state * torch.rsqrt(state.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
+        return state @ self.lm_head.T
+
+
+def ttt_step_targets(batch: Batch, teacher_logits: torch.Tensor, steps: int):
+    """Per TTT step k: (teacher logits at t+k+1, loss mask, teacher-forced token t+k+2), over t in 0..L-2."""
+    width = batch.ids.shape[1]
+    length = width - 1
+    t = torch.arange(length)
+    out = []
+    for k in range(steps):
+        pos = t + k + 1
+        inside = pos[None, :] < batch.lengths[:, None]
+        pos_c = pos.clamp(max=width - 1)
+        logits = teacher_logits[:, pos_c]
+        mask = inside & batch.loss_mask[:, pos_c]
+        forced = batch.ids[:, (t + k + 2).clamp(max=width - 1)]
+        out.append((logits, mask, forced))
+    return out
+
+
+def ttt_forward(draft: Eagle3Draft, head: TeacherHead, batch: Batch, steps: int, kept: torch.Tensor, weights: list[float]):
+    """Loss and per-step accuracy counts of one batch under teacher forcing."""
+    with torch.no_grad():
+        teacher_logits = head(batch.teacher)
+    targets = ttt_step_targets(batch, teacher_logits, steps)
+    valid = torch.arange(batch.ids.shape[1] - 1)[None, :] < (batch.lengths[:, None] - 1)
+    unrolled = draft.unroll(batch.aux[:, :-1], batch.ids[:, 1:], valid, steps, token_source=lambda k, _tokens: targets[k + 1][2])
+    loss = torch.zeros(())
+    stats = {"correct": [], "all_correct": [], "count": []}
+    chain_ok = None
+    for k, ((t_logits, mask, _), d_logits, d_tokens) in enumerate(zip(targets, unrolled.logits, unrolled.tokens)):
+        p = F.softmax(t_logits[..., kept], dim=-1)
+        ce = -(p * F.log_softmax(d_logits.float(), dim=-1)).sum(-1)
+        denom = mask.sum().clamp(min=1)
+        loss = loss + weights[k] * (ce * mask).sum() / denom
+        right = d_tokens == t_logits.argmax(-1)
+        chain_ok = right if chain_ok is None else chain_ok & right
+        stats["correct"].append(int((right & mask).sum()))
+        stats["all_correct"].append(int((chain_ok & mask).sum()))
+        stats["count"].append(int(mask.sum()))
+    return loss, stats
+
+
+def summarize(stats_list: list[dict], steps: int, draft_steps: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k in range(steps):
+        count = sum(s["count"][k] for s in stats_list) or 1
+        out[f"acc_{k}"] = sum(s["correct"][k] for s in stats_list) / count
+        out[f"full_acc_{k}"] = sum(s["all_correct"][k] for s in stats_list) / count
+    out["expected_accept_length"] = 1.0 + sum(out[f"full_acc_{k}"] for k in range(min(draft_steps, steps)))
+    return out
+
+
+def lr_at(step: int, total: int, cfg) -> float:
+    warmup = max(1, int(total * cfg.warmup_ratio))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def batches_for_step(n: int, batch_size: int, seed: int, step: int) -> list[int]:
+    """Indices of the sequences in global step `step`: a seeded permutation per epoch, so a resumed run
+    sees exactly the batches an uninterrupted one would."""
+    per_epoch = math.ceil(n / batch_size)
+    epoch, index = divmod(step, per_epoch)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+    return order[index * batch_size : (index + 1) * batch_size]
+
+
+def evaluate(draft, head, seqs, steps, kept, weights, batch_size, draft_steps) -> dict[str, float]:
+    draft.eval()
+    stats, losses = [], []
+    with torch.no_grad():
+        for i in range(0, len(seqs), batch_size):
+            loss, s = ttt_forward(draft, head, collate(seqs[i : i + batch_size]), steps, kept, weights)
+            stats.append(s)
+            losses.append(float(loss))
+    draft.train()
+    return {"loss": sum(losses) / max(len(losses), 1)} | summarize(stats, steps, draft_steps)
+
+
+def build_draft(cfg: RootConfig, target_path: Path, extract_dir: Path, manifest: dict) -> tuple[Eagle3Draft, TeacherHead]:
+    tconf = target_config_json(target_path)
+    if tconf.get("rope_scaling"):
+        raise NotImplementedError(
+            f"target rope_scaling={tconf['rope_scaling']}: the project's draft implements plain Llama rope only; "
+            "training a draft for a rope-scaled target needs the scaled rope in orchestrator/draft/model.py"
+        )
+    d = cfg.draft
+    shape = default_shape(
+        cfg.target.hidden_size, cfg.target.vocab_size, len(cfg.train.layers), d.hidden_size, d.num_attention_heads,
+        d.num_key_value_heads, d.head_dim, d.intermediate_size, d.draft_vocab_size, d.rms_norm_eps,
+        tconf.get("rope_theta", cfg.target.rope_theta), d.max_position_embeddings or cfg.target.max_position_embeddings,
+    )
+    torch.manual_seed(cfg.train.seed)
+    draft = Eagle3Draft(shape)
+    tensors = load_head_tensors(target_path)
+    if shape.hidden_size != cfg.target.hidden_size:
+        raise ValueError(f"draft.hidden_size={shape.hidden_size}: the draft shares the target's embedding, so it must equal target.hidden_size={cfg.target.hidden_size}")
+    draft.embed_tokens.weight.data.copy_(tensors["embed"])
+    with safe_open(str(extract_dir / manifest["token_freq"]), framework="pt") as f:
+        counts = f.get_tensor("counts")
+    d2t, t2d = draft_export.build_vocab_map(counts, shape.draft_vocab_size)
+    draft.set_vocab_map(d2t, t2d)
+    head = TeacherHead(tensors, manifest["teacher"]["kind"], tconf.get("rms_norm_eps", 1e-6))
+    return draft, head
+
+
+def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
+    tc = cfg.train
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    out = plan.dir("train")
+    out.mkdir(parents=True, exist_ok=True)
+    extract_dir = plan.dir("extract")
+    manifest = load_manifest_checked(extract_dir, cfg)
+    target_path = Path(plan.target_dir)
+    tok_hash = tokenizer_hash(target_path)
+    if manifest["tokenizer_hash"] != tok_hash:
+        raise ArtifactError(
+            f"{extract_dir}/manifest.json: tokenizer_hash {manifest['tokenizer_hash']} differs from the target's "
+            f"tokenizer at {target_path} ({tok_hash}); the extracted token ids do not mean the same tokens. Re-extract."
+        )
+    train_seqs = load_split(extract_dir, manifest, "train")
+    val_seqs = load_split(extract_dir, manifest, "val")
+    draft, head = build_draft(cfg, target_path, extract_dir, manifest)
+    kept = draft.to_target_ids(torch.arange(draft.shape.draft_vocab_size))
+    steps = tc.ttt_steps
+    weights = [tc.step_weight_decay**k for k in range(steps)]
+    per_epoch = math.ceil(len(train_seqs) / tc.batch_size)
+    total = tc.max_steps or tc.epochs * per_epoch
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=tc.lr, betas=(tc.beta1, tc.beta2), weight_decay=tc.weight_decay)
+    use_bf16 = tc.autocast_bf16 == "true" or (tc.autocast_bf16 == "auto" and torch.cuda.is_available())
+
+    ckpt_path = out / "checkpoints" / "latest.pt"
+    step, history = 0, []
+    if ckpt_path.exists():
+        state = torch.load(ckpt_path, weights_only=False)
+        draft.load_state_dict(state["model"])
+        optim.load_state_dict(state["optim"])
+        step, history = state["step"], state["history"]
+        print(f"[train] resumed from {ckpt_path} at step {step}/{total}")
+    draft_steps = cfg.serve.num_steps
+
+    def save_checkpoint() -> None:
+        with atomic_path(ckpt_path) as tmp:
+            torch.save({"model": draft.state_dict(), "optim": optim.state_dict(), "step": step, "history": history}, tmp)
+
+    draft.train()
+    tokens, window_started = 0, time.time()
+    bar = tqdm(total=total, initial=step, desc="train", unit="step")
+    while step < total:
+        batch = collate([train_seqs[i] for i in batches_for_step(len(train_seqs), tc.batch_size, tc.seed, step)])
+        for group in optim.param_groups:
+            group["lr"] = lr_at(step, total, tc)
+        with torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16, enabled=use_bf16):
+            loss, stats = ttt_forward(draft, head, batch, steps, kept, weights)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+        optim.step()
+        step += 1
+        tokens += int(batch.lengths.sum())
+        bar.update(1)
+        if step % tc.log_every == 0 or step == total:
+            elapsed = time.time() - window_started
+            metrics = {"loss": float(loss), "lr": optim.param_groups[0]["lr"], "tokens_per_s": tokens / max(elapsed, 1e-9)}
+            metrics |= {k: v for k, v in summarize([stats], steps, draft_steps).items() if k.startswith("acc_")}
+            tracker.metrics(metrics, step=step, prefix="train/")
+            bar.set_postfix(loss=f"{float(loss):.3f}", acc0=f"{metrics['acc_0']:.2f}")
+            tokens, window_started = 0, time.time()
+        if step % tc.val_every == 0 or step == total:
+            val = evaluate(draft, head, val_seqs, steps, kept, weights, tc.batch_size, draft_steps)
+            history.append({"step": step} | val)
+            tracker.metrics(val, step=step, prefix="train/val_")
+        if step % tc.checkpoint_every == 0 or step == total:
+            save_checkpoint()
+    bar.close()
+
+    final = history[-1] if history else evaluate(draft, head, val_seqs, steps, kept, weights, tc.batch_size, draft_steps)
+    result = export_draft(cfg, plan, draft, manifest, target_path, final, steps)
+    write_json(out / "metrics.json", {"history": history, "final": final})
+    plot = plot_accuracy(final, steps, out / "accuracy_by_position.png")
+    tracker.artifact(plot, "train")
+    write_manifest(out, {"stage": "train", "key": plan.stage_keys["train"], "extract_key": manifest["key"], "result": result})
+    return result
+
+
+def export_draft(cfg: RootConfig, plan, draft: Eagle3Draft, manifest: dict, target_path: Path, final: dict, steps: int) -> dict[str, Any]:
+    t, s = cfg.target, cfg.serve
+    ids = layer_contract.to_engine_ids(s.engine, cfg.train.layers, t.num_hidden_layers, t.family, s.sglang_version)
+    tconf = target_config_json(target_path)
+    conf = draft_export.draft_config(
+        draft.shape, ids, cfg.draft.torch_dtype, tconf, cfg.draft.max_position_embeddings or tconf.get("max_position_embeddings", t.max_position_embeddings)
+    )
+    provenance = {
+        "aux_layers": list(cfg.train.layers),
+        "trained_ttt_steps": steps,
+        "serving": {"engine": s.engine, "family": t.family, "sglang_version": s.sglang_version, "eagle_aux_hidden_state_layer_ids": ids},
+        "target": manifest["target"],
+        "tokenizer_hash": manifest["tokenizer_hash"],
+        "teacher": manifest["teacher"],
+        "extract_key": manifest["key"],
+        "train_key": plan.stage_keys["train"],
+        "val_metrics": final,
+    }
+    draft_dir = plan.dir("train") / "draft"
+    draft_export.export(draft, draft_dir, conf, provenance, tconf)
+    result = {"draft_dir": str(draft_dir), "eagle_aux_hidden_state_layer_ids": ids} | {f"val_{k}": v for k, v in final.items()}
+    result["headline"] = {k: final[k] for k in ("acc_0", "acc_1", "acc_2", "expected_accept_length") if k in final}
+    return result
+
+
+def plot_accuracy(final: dict, steps: int, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = list(range(steps))
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(ks, [final[f"acc_{k}"] for k in ks], marker="o", label="acc_k (marginal)")
+    ax.plot(ks, [final[f"full_acc_{k}"] for k in ks], marker="s", label="full_acc_k (cumulative)")
+    ax.set_xlabel("TTT position k")
+    ax.set_ylabel("validation accuracy")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,101 @@
+"""Config: every experiment composes and validates; bad input fails at compose time, naming the key."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from orchestrator import conf_dir
+from orchestrator.config import ConfigError, RootConfig, load
+from orchestrator.pipeline import make_plan
+
+EXPERIMENTS = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
+
+
+def compose_root(overrides: list[str]) -> RootConfig:
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return load(compose("config", overrides=overrides))
+
+
+def test_there_are_experiments():
+    assert {"tiny_eagle3", "tiny_deepseek_eagle3", "kimi_eagle3"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_validates(experiment, tmp_path):
+    cfg = compose_root([f"+experiment={experiment}"])
+    assert isinstance(cfg, RootConfig)
+    for stage in ("extract", "train", "eval", "serve"):
+        assert getattr(cfg, stage).layers == cfg.aux_layers  # one node, interpolated everywhere
+    plan = make_plan(cfg, tmp_path / "run")
+    assert [s["stage"] for s in plan.stages] == ["extract", "train", "eval", "serve"]
+
+
+def test_stage_configs_do_not_repeat_the_layer_list():
+    for path in (conf_dir()).rglob("*.yaml"):
+        if path.parent.name == "experiment" or path.name == "config.yaml":
+            continue
+        for line in path.read_text().splitlines():
+            if line.strip().startswith(("layers:", "aux_layers:")):
+                assert line.strip() == "layers: ${aux_layers}", f"{path}: {line!r} must read layers: ${{aux_layers}}"
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("aux_layers=[1,4,99]", "out of range for a target with 8 decoder layers"),
+        ("aux_layers=[1,1,4]", "duplicate"),
+        ("aux_layers=[1,4]", "draft.num_aux_layers=3"),
+        ("aux_layers=[6,4,1]", "ascending"),
+        ("aux_layers=[1,4,7]", "last decoder layer"),
+        ("train.lr=fast", "train.lr"),
+        ("+train.learning_rate=1", "learning_rate"),
+        ("serve.num_draft_tokens=8", "serve.num_draft_tokens"),
+        ("serve.engine=vllm", "serve.engine"),
+        ("stages=[train]", "prefix"),
+        ("extract.teacher=logits", "extract.teacher"),
+    ],
+)
+def test_bad_config_names_the_key(override, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace(".", r"\.")):
+        compose_root(["+experiment=tiny_eagle3", override])
+
+
+def test_kimi_plan_ids_capture_the_seed_layers(tmp_path):
+    cfg = compose_root(["+experiment=kimi_eagle3"])
+    plan = make_plan(cfg, tmp_path / "run")
+    by_stage = {s["stage"]: s for s in plan.stages}
+    serve = by_stage["serve"]["layer_ids"]
+    assert serve["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 31]
+    assert serve["captures_canonical"] == [-1, 2, 30]
+    assert by_stage["extract"]["layer_ids"]["hidden_states_indices"] == [0, 3, 31]
+    assert by_stage["serve"]["resources"]["gpus_per_node"] == 8
+
+
+def _cli(args: list[str], outputs: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(outputs)}
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_cli_dry_run_kimi_needs_no_model(tmp_path):
+    proc = _cli(["+experiment=kimi_eagle3", "dry_run=true"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    plans = list(tmp_path.rglob("plan.json"))
+    assert len(plans) == 1
+    plan = json.loads(plans[0].read_text())
+    serve = [s for s in plan["stages"] if s["stage"] == "serve"][0]
+    assert serve["layer_ids"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 31]
+    assert "eagle_aux_hidden_state_layer_ids" in proc.stdout
+    assert not list(tmp_path.rglob("jobs")), "a dry run submits nothing"
+    assert not (tmp_path / "mlflow.db").exists(), "a dry run starts no MLflow run"
+
+
+def test_cli_out_of_range_fails_before_any_job(tmp_path):
+    proc = _cli(["+experiment=tiny_eagle3", "aux_layers=[1,4,99]"], tmp_path)
+    assert proc.returncode == 2
+    assert "aux_layers" in proc.stderr and "99" in proc.stderr and "-1 (embedding output) .. 7" in proc.stderr
+    assert not list(tmp_path.rglob("jobs")) and not list(tmp_path.rglob("plan.json"))

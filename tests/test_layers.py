@@ -1,0 +1,129 @@
+"""The layer contract: every conversion, with the source of its rule, and the cases that must raise."""
+
+import pytest
+
+from orchestrator import layers as L
+
+
+# --- canonical validation -------------------------------------------------------------------------------
+
+
+def test_canonical_accepts_embedding_and_last_layer():
+    assert L.validate_canonical([-1, 2, 30], 61) == (-1, 2, 30)
+    assert L.validate_canonical([0, 60], 61) == (0, 60)
+
+
+@pytest.mark.parametrize(
+    "layers, fragment",
+    [([-2, 1, 2], "out of range"), ([1, 2, 61], "out of range"), ([2, 2, 3], "duplicate"), ([30, 2, -1], "ascending"), ([], "empty")],
+)
+def test_canonical_rejects(layers, fragment):
+    with pytest.raises(L.LayerContractError, match=fragment):
+        L.validate_canonical(layers, 61)
+
+
+# --- HF transformers ----------------------------------------------------------------------------------------
+# Source: transformers LlamaModel/DeepseekV3Model: hidden_states[0] is the embedding output, hidden_states[i]
+# the output of layer i-1, and the last entry is taken after the final norm.
+
+
+def test_hf_hidden_states_index_is_k_plus_one():
+    assert [L.hf_hidden_states_index(k, 8) for k in (-1, 0, 3, 6)] == [0, 1, 4, 7]
+
+
+def test_hf_last_layer_is_not_in_hidden_states():
+    with pytest.raises(L.LayerContractError, match="final norm"):
+        L.hf_hidden_states_index(7, 8)
+
+
+def test_hf_capture_points():
+    assert [L.hf_capture_point(k, 8) for k in (-1, 0, 7)] == ["embed_tokens", "layers.0", "layers.7"]
+    assert L.hf_teacher_capture_point("post_norm", 8) == "norm"
+    assert L.hf_teacher_capture_point("pre_norm", 8) == "layers.7"
+    with pytest.raises(L.LayerContractError, match="teacher kind"):
+        L.hf_teacher_capture_point("logits", 8)
+
+
+# --- SGLang, Llama family ------------------------------------------------------------------------------------
+# Source: sglang 0.5.23 python/sglang/srt/models/llama.py, set_eagle3_layers_to_capture:
+#   self.model.layers_to_capture = [val + 1 for val in layer_ids]; capture happens before layer i runs, for i
+#   in range(num_layers), so id k captures the output of layer k, -1 the embedding, and N-1 is never captured.
+
+
+def test_sglang_llama_ids_equal_canonical():
+    assert L.to_sglang_ids([-1, 3, 6], 8, "llama", "0.5.23") == [-1, 3, 6]
+    assert L.from_sglang_ids([-1, 3, 6], 8, "llama", "0.5.23") == [-1, 3, 6]
+
+
+def test_sglang_llama_last_layer_cannot_be_captured():
+    with pytest.raises(L.LayerContractError, match="last decoder layer"):
+        L.to_sglang_ids([1, 4, 7], 8, "llama", "0.5.23")
+    # and reading such ids back shows the silent loss
+    assert L.from_sglang_ids([1, 4, 7], 8, "llama", "0.5.23") == [1, 4]
+
+
+def test_sglang_concatenates_in_ascending_order():
+    # Source: sglang pack_aux_hidden_states concatenates in layer order, not list order.
+    assert L.from_sglang_ids([6, -1, 3], 8, "llama", "0.5.23") == [-1, 3, 6]
+
+
+# --- SGLang, DeepSeek-V2/V3 and Kimi family ------------------------------------------------------------------
+# Source: sglang 0.5.23 python/sglang/srt/models/deepseek_v2.py (kimi_k25.py delegates to it), after
+# sgl-project/sglang PR #25454 (first released in 0.5.13):
+#   if layer_ids and layer_ids[0] == 1: layers_to_capture = [val + 1 ...] else: layers_to_capture = list(layer_ids)
+
+
+def test_kimi_seed_layers_on_0_5_23():
+    ids = L.to_sglang_ids([-1, 2, 30], 61, "kimi_k25", "0.5.23")
+    assert ids == [0, 3, 31]
+    assert L.from_sglang_ids(ids, 61, "kimi_k25", "0.5.23") == [-1, 2, 30]
+
+
+def test_kimi_seed_layers_written_as_is_capture_only_two_states():
+    # DOMAIN.md §3: [-1, 2, 30] written as-is into a 0.5.23 draft config captures only two states.
+    assert L.from_sglang_ids([-1, 2, 30], 61, "kimi_k25", "0.5.23") == [1, 29]
+
+
+def test_deepseek_first_id_one_shifts():
+    assert L.from_sglang_ids([1, 10, 20], 61, "deepseek_v3", "0.5.23") == [1, 10, 20]
+    # Both [1, 10, 20] (shift mode) and [2, 11, 21] (as-is) capture these; the encoder prefers the ids that
+    # read the same under the older always-shift rule too.
+    assert L.to_sglang_ids([1, 10, 20], 61, "deepseek_v3", "0.5.23") == [1, 10, 20]
+    assert L.from_sglang_ids([2, 11, 21], 61, "deepseek_v3", "0.5.23") == [1, 10, 20]
+
+
+def test_deepseek_output_of_layer_zero_first_is_not_expressible():
+    with pytest.raises(L.LayerContractError, match="layer 0 cannot be the first"):
+        L.to_sglang_ids([0, 10, 20], 61, "deepseek_v3", "0.5.23")
+
+
+def test_deepseek_before_pr_25454_always_shifts():
+    # Source: sglang 0.5.12.post1 deepseek_v2.py: layers_to_capture = [val + 1 for val in layer_ids].
+    assert L.to_sglang_ids([-1, 2, 30], 61, "kimi_k25", "0.5.12") == [-1, 2, 30]
+    assert L.to_sglang_ids([-1, 2, 30], 61, "kimi_k25", "0.5.13") == [0, 3, 31]
+
+
+def test_sglang_unknown_family_raises():
+    with pytest.raises(L.LayerContractError, match="no SGLang layer-id rule"):
+        L.to_sglang_ids([1, 2, 3], 8, "mamba", "0.5.23")
+
+
+def test_sglang_bad_version_raises():
+    with pytest.raises(L.LayerContractError, match="X.Y.Z"):
+        L.to_sglang_ids([1, 2, 3], 8, "deepseek_v3", "latest")
+
+
+# --- vLLM / speculators ---------------------------------------------------------------------------------------
+# Source: speculators/vLLM eagle3: id k is the state entering layer k (no shift); k == N is the final
+# pre-norm state (DOMAIN.md §3).
+
+
+def test_vllm_ids_are_entering_layer():
+    assert L.to_vllm_ids([-1, 2, 30], 61) == [0, 3, 31]
+    assert L.to_vllm_ids([2, 30, 60], 61) == [3, 31, 61]
+    assert L.from_vllm_ids([3, 31, 61], 61) == [2, 30, 60]
+
+
+def test_unknown_engine_raises():
+    with pytest.raises(L.LayerContractError, match="unknown engine"):
+        L.to_engine_ids("tgi", [1, 2, 3], 8, "llama", "1.0")
