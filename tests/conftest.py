@@ -1,0 +1,51 @@
+"""Shared fixtures: a small tiny-target configuration that runs every stage in about a minute on 2 cores."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from orchestrator import conf_dir
+from orchestrator.config import RootConfig, load
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+# The tiny Llama, trained briefly on a sample of the corpus, with a short draft training: exercises every
+# code path of every stage; the full-size demo is `python -m orchestrator +experiment=tiny_eagle3`.
+FAST = [
+    "target.tiny.train.steps=60",
+    "+target.tiny.train.max_files=80",
+    "data.max_files=80",
+    "data.max_train_conversations=96",
+    "data.max_val_conversations=16",
+    "data.max_seq_len=160",
+    "extract.shard_conversations=32",
+    "train.max_steps=16",
+    "train.val_every=8",
+    "train.checkpoint_every=4",
+    "train.log_every=4",
+    "eval.max_conversations=8",
+    "serve.prompts=4",
+    "serve.max_new_tokens=24",
+]
+
+
+def compose_config(outputs: Path, *overrides: str, experiment: str = "tiny_eagle3", fast: bool = True) -> RootConfig:
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        raw = compose("config", overrides=[f"+experiment={experiment}", f"outputs_dir={outputs}", *(FAST if fast else []), *overrides])
+    return load(raw)
+
+
+@pytest.fixture(scope="session")
+def outputs(tmp_path_factory) -> Path:
+    """One outputs folder (cache, MLflow store) shared by the session, so the tiny target is built once."""
+    return tmp_path_factory.mktemp("outputs")
+
+
+@pytest.fixture(scope="session")
+def tiny_config(outputs):
+    """compose(*overrides) -> RootConfig of the FAST tiny experiment in the session's outputs folder."""
+    return lambda *overrides, **kw: compose_config(outputs, *overrides, **kw)
