@@ -21,10 +21,17 @@ def main(cfg: DictConfig) -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     from orchestrator.pipeline import run_pipeline
+    from orchestrator.preflight import PreflightError
 
     hc = HydraConfig.get()
     sweep_dir = Path(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
-    run_pipeline(root, Path(hc.runtime.output_dir), sweep_dir=sweep_dir)
+    try:
+        result = run_pipeline(root, Path(hc.runtime.output_dir), sweep_dir=sweep_dir)
+    except PreflightError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(3)
+    if result.get("check") and not result["ok"]:
+        sys.exit(1)
 
 
 def cli() -> None:

@@ -186,6 +186,9 @@ class RootConfig:
     aux_layers: list[int] = MISSING
     stages: list[str] = field(default_factory=lambda: list(STAGES))
     dry_run: bool = False
+    # Run only the preflight checks (config, and any artifacts the run would use or `check_draft`) and report.
+    check: bool = False
+    check_draft: Optional[str] = None
     run_name: str = "run"
     seed: int = 0
     outputs_dir: str = "outputs"

@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from orchestrator import layers as layer_contract
-from orchestrator import runner, tracking
+from orchestrator import preflight, runner, tracking
 from orchestrator.artifacts import CODE_VERSION, MANIFEST, stable_hash, write_json
 from orchestrator.config import RootConfig
 from orchestrator.targets import target_dir
@@ -135,14 +135,38 @@ def make_plan(cfg: RootConfig, run_dir: Path) -> Plan:
     return plan
 
 
-def run_stage(stage: str, cfg: RootConfig, plan: Plan, run_id: str) -> dict[str, Any]:
-    """Job entry point: runs one stage and logs to the pipeline's MLflow run."""
+def run_stage(stage: str, cfg: RootConfig, plan: Plan, run_id: str, finalize: bool = False) -> dict[str, Any]:
+    """Job entry point: runs one stage, logging to the pipeline's MLflow run. A failure marks the run failed
+    (with the error) from inside the job, so that it shows even when nobody waits on the job; the last stage
+    of the pipeline also writes the summary and closes the run."""
     module = importlib.import_module(f"orchestrator.stages.{stage}")
     tracker = tracking.Tracker(plan.tracking_uri, run_id)
     started = time.time()
-    result = module.run(cfg, plan, tracker)
-    tracker.metrics({"seconds": time.time() - started}, prefix=f"{stage}/")
+    try:
+        result = module.run(cfg, plan, tracker)
+        tracker.metrics({"seconds": time.time() - started}, prefix=f"{stage}/")
+        if finalize:
+            finish(cfg, plan, tracker)
+    except BaseException as exc:
+        tracker.fail(f"stage {stage}: {type(exc).__name__}: {exc}")
+        raise
     return result
+
+
+def finish(cfg: RootConfig, plan: Plan, tracker: tracking.Tracker) -> dict[str, Any]:
+    """Writes `summary.json` from the stages' manifests and closes the MLflow run."""
+    results = {}
+    for entry in plan.stages:
+        manifest = plan.dir(entry["stage"]) / MANIFEST
+        results[entry["stage"]] = json.loads(manifest.read_text()).get("result", {}) if manifest.exists() else {}
+        if entry["cached"]:
+            results[entry["stage"]]["cached"] = True
+    summary = build_summary(cfg, plan, results, tracker.run_id)
+    write_json(Path(plan.run_dir) / "summary.json", summary)
+    tracker.artifact(Path(plan.run_dir) / "summary.json")
+    tracker.tags({"mismatch": str(bool(summary["mismatch_flags"])).lower()})
+    tracker.finish()
+    return summary
 
 
 def print_plan(plan: Plan) -> None:
@@ -167,8 +191,18 @@ def write_run_files(cfg: RootConfig, plan: Plan) -> None:
 
 
 def run_pipeline(cfg: RootConfig, run_dir: Path, sweep_dir: Path | None = None) -> dict[str, Any]:
-    """Runs the configured stage prefix; returns the summary (also written to `<run_dir>/summary.json`)."""
+    """Submits the configured stage prefix as a chain of jobs. Local and debug runs block and return the
+    summary (also in `<run_dir>/summary.json`); Slurm runs return once the chain is queued, unless
+    `cluster.wait=true`."""
     plan = make_plan(cfg, run_dir)
+    if cfg.check:
+        findings = preflight.run_checks(cfg, plan, cfg.check_draft)
+        preflight.print_report(findings)
+        bad = preflight.failures(findings)
+        return {"check": True, "ok": not bad, "failures": [str(f) for f in bad]}
+    bad = preflight.failures(preflight.config_findings(cfg))
+    if bad and not (not cfg.serve.guard and all(f.category == "layer ids" for f in bad)):
+        raise preflight.PreflightError(bad)
     write_run_files(cfg, plan)
     print_plan(plan)
     if cfg.dry_run:
@@ -182,25 +216,45 @@ def run_pipeline(cfg: RootConfig, run_dir: Path, sweep_dir: Path | None = None) 
         plan.tracking_uri, cfg.tracking.experiment, cfg.run_name, tracking.resolved_container(cfg),
         list(cfg.aux_layers), Path(plan.run_dir), parent_run_id=parent,
     )
-    results: dict[str, Any] = {}
+    blocking = cfg.cluster.kind in ("local", "debug")
+    todo = [e for e in plan.stages if not e["cached"]]
+    jobs: list[tuple[str, Any]] = []
+    dependency: str | None = None
     try:
         for entry in plan.stages:
             stage = entry["stage"]
             if entry["cached"]:
                 print(f"[{stage}] cached: {entry['output']}")
                 tracker.tags({f"{stage}.cached": "true"})
-                results[stage] = cached_result(stage, plan)
+                continue
+            in_flight = None if blocking else _in_flight(cfg, plan, stage)
+            if in_flight:
+                print(f"[{stage}] already queued by another run: job {in_flight}")
+                dependency = in_flight
                 continue
             job = runner.submit(
                 cfg.cluster, Path(plan.run_dir) / "jobs", entry["job_name"], getattr(cfg, stage).resources,
-                run_stage, stage, cfg, plan, tracker.run_id,
+                stage, cfg, plan, tracker.run_id, entry is todo[-1],
+                dependency=[dependency] if dependency else None,
             )
+            jobs.append((stage, job))
             print(f"[{stage}] submitted job {job.job_id} ({cfg.cluster.kind})")
-            results[stage] = runner.wait(job, stage)
-        summary = build_summary(cfg, plan, results, tracker.run_id)
-        write_json(Path(plan.run_dir) / "summary.json", summary)
-        tracker.artifact(Path(plan.run_dir) / "summary.json")
-        tracker.finish()
+            if blocking:
+                runner.wait(job, stage)
+            else:
+                dependency = job.job_id
+                _record_in_flight(cfg, plan, stage, job.job_id)
+        if not jobs:
+            summary = finish(cfg, plan, tracker)
+        elif blocking or cfg.cluster.wait:
+            for stage, job in jobs:
+                runner.wait(job, stage)
+            summary = json.loads((Path(plan.run_dir) / "summary.json").read_text())
+        else:
+            return _report_submitted(plan, jobs, tracker.run_id)
+    except runner.StageFailed as exc:
+        tracker.fail(str(exc))
+        raise
     except BaseException as exc:
         tracker.fail(f"{type(exc).__name__}: {exc}")
         raise
@@ -208,9 +262,33 @@ def run_pipeline(cfg: RootConfig, run_dir: Path, sweep_dir: Path | None = None) 
     return summary
 
 
-def cached_result(stage: str, plan: Plan) -> dict[str, Any]:
-    manifest = json.loads((plan.dir(stage) / MANIFEST).read_text())
-    return manifest.get("result", {}) | {"cached": True}
+def _in_flight_record(plan: Plan, stage: str) -> Path | None:
+    # Only content-addressed stages (shared between runs) can be in flight for another run.
+    return plan.dir(stage) / ".job.json" if stage in ("extract", "train") else None
+
+
+def _in_flight(cfg: RootConfig, plan: Plan, stage: str) -> str | None:
+    record = _in_flight_record(plan, stage)
+    if record is None or not record.exists():
+        return None
+    info = json.loads(record.read_text())
+    state = runner.job_state(cfg.cluster, Path(info["folder"]), info["job_id"])
+    return info["job_id"] if state in runner.ACTIVE_STATES else None
+
+
+def _record_in_flight(cfg: RootConfig, plan: Plan, stage: str, job_id: str) -> None:
+    record = _in_flight_record(plan, stage)
+    if record is not None:
+        write_json(record, {"job_id": job_id, "folder": str(Path(plan.run_dir) / "jobs"), "run_dir": plan.run_dir})
+
+
+def _report_submitted(plan: Plan, jobs: list, run_id: str) -> dict[str, Any]:
+    submitted = {stage: job.job_id for stage, job in jobs}
+    write_json(Path(plan.run_dir) / "jobs.json", submitted)
+    print(f"submitted {len(jobs)} jobs: " + ", ".join(f"{s}={j}" for s, j in submitted.items()))
+    print(f"  follow:  squeue -j {','.join(submitted.values())}    logs: {Path(plan.run_dir) / 'jobs'}")
+    print(f"  results: MLflow run {run_id} ({plan.tracking_uri}); summary at {Path(plan.run_dir) / 'summary.json'} when done")
+    return {"submitted": submitted, "mlflow_run_id": run_id, "run_dir": plan.run_dir, "tracking_uri": plan.tracking_uri}
 
 
 def build_summary(cfg: RootConfig, plan: Plan, results: dict[str, Any], run_id: str) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import submitit
 
@@ -48,12 +48,38 @@ def slurm_parameters(cluster: ClusterConfig, name: str, resources: Resources, de
     if cluster.setup:
         params["setup"] = list(cluster.setup)
     if dependency:
-        params["additional_parameters"] = {"dependency": "afterok:" + ":".join(dependency)}
+        # A failed upstream job cancels its dependents instead of leaving them pending forever.
+        params["dependency"] = "afterok:" + ":".join(dependency)
+        params["additional_parameters"] = {"kill_on_invalid_dep": "yes"}
     return params
 
 
-def submit(cluster: ClusterConfig, folder: Path, name: str, resources: Resources, fn: Callable, *args, dependency=None):
-    return executor(cluster, folder, name, resources, dependency).submit(fn, *args)
+class StageJob(submitit.helpers.Checkpointable):
+    """A stage as a submitit job. On preemption or time-out (SIGUSR2 on Slurm) submitit calls `checkpoint`,
+    which requeues the same call: training then resumes from its own checkpoint file, while extraction resumes
+    at shard granularity and serving restarts its benchmark clean."""
+
+    def __call__(self, stage: str, cfg, plan, run_id: str, finalize: bool):
+        from orchestrator.pipeline import run_stage
+
+        return run_stage(stage, cfg, plan, run_id, finalize=finalize)
+
+
+def submit(cluster: ClusterConfig, folder: Path, name: str, resources: Resources, *args, dependency=None):
+    return executor(cluster, folder, name, resources, dependency).submit(StageJob(), *args)
+
+
+def job_state(cluster: ClusterConfig, folder: Path, job_id: str) -> str:
+    """Slurm's state of a job submitted earlier (e.g. by another sweep point), or UNKNOWN."""
+    if cluster.kind != "slurm":
+        return "UNKNOWN"
+    try:
+        return submitit.SlurmJob(folder=folder, job_id=job_id).state
+    except Exception:
+        return "UNKNOWN"
+
+
+ACTIVE_STATES = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "RESIZING", "SUSPENDED")
 
 
 def wait(job, stage: str) -> Any:
@@ -67,6 +93,12 @@ def wait(job, stage: str) -> Any:
         except Exception:
             pass
         raise StageFailed(f"stage {stage} (job {job.job_id}) failed: {exc}\n--- job log tail ---\n{tail}") from None
+
+
+def render_sbatch(cluster: ClusterConfig, folder: Path, name: str, resources: Resources, dependency: list[str] | None = None) -> str:
+    """The sbatch file submitit would write for a stage (for dry runs and golden tests)."""
+    ex = executor(cluster, folder, name, resources, dependency)
+    return ex._make_submission_file_text(f"python -u -m submitit.core._submit {folder}", "UID")
 
 
 def resources_dict(resources: Resources) -> dict[str, Any]:

@@ -1,0 +1,197 @@
+"""The mismatch guard: every known train/serve inconsistency, caught before it costs GPU time.
+
+`config_findings` needs nothing but the config and runs before any job is submitted; `artifact_findings`
+checks the real artifacts a run has (or a draft directory given with `check_draft=`) and runs again at stage
+boundaries. Each finding names its category, what is wrong and the fix. `python -m orchestrator
++experiment=X check=true` prints the report and submits nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestrator import layers as layer_contract
+from orchestrator.artifacts import MANIFEST, read_json
+from orchestrator.config import RootConfig
+
+CATEGORIES = (
+    "layer ids", "teacher kind", "tokenizer", "draft vocabulary", "draft config", "hidden sizes",
+    "speculative args", "draft steps",
+)
+
+
+@dataclass
+class Finding:
+    category: str
+    ok: bool
+    message: str
+    fix: str = ""
+
+    def __str__(self) -> str:
+        return f"[{self.category}] {self.message}" + (f" Fix: {self.fix}" if self.fix else "")
+
+
+class PreflightError(ValueError):
+    def __init__(self, findings: list[Finding]):
+        self.findings = findings
+        super().__init__("preflight found train/serve mismatches:\n  - " + "\n  - ".join(str(f) for f in findings))
+
+
+def _serve_ids(cfg: RootConfig, layers: list[int]) -> list[int]:
+    t, s = cfg.target, cfg.serve
+    return layer_contract.to_engine_ids(s.engine, layers, t.num_hidden_layers, t.family, s.sglang_version)
+
+
+def config_findings(cfg: RootConfig) -> list[Finding]:
+    t, s = cfg.target, cfg.serve
+    out: list[Finding] = []
+    n = t.num_hidden_layers
+    rule = f"{s.engine} / {t.family} / sglang {s.sglang_version}"
+    try:
+        ids = _serve_ids(cfg, list(cfg.aux_layers))
+        out.append(Finding("layer ids", True, f"aux_layers={cfg.aux_layers} -> draft config ids {ids} ({rule})"))
+    except layer_contract.LayerContractError as exc:
+        out.append(Finding("layer ids", False, str(exc), "choose aux_layers the serving engine can capture"))
+    if list(s.layers) != list(cfg.aux_layers):
+        try:
+            captured = layer_contract.from_engine_ids(s.engine, _serve_ids(cfg, list(s.layers)), n, t.family, s.sglang_version)
+        except layer_contract.LayerContractError:
+            captured = layer_contract.from_engine_ids(s.engine, list(s.layers), n, t.family, s.sglang_version)
+        out.append(Finding(
+            "layer ids", False,
+            f"serve.layers={list(s.layers)} (serving captures {captured}) differs from aux_layers={list(cfg.aux_layers)} the draft is trained on",
+            "drop the serve.layers override: every stage takes ${aux_layers}",
+        ))
+    if cfg.extract.teacher not in layer_contract.TEACHER_KINDS:
+        out.append(Finding("teacher kind", False, f"extract.teacher={cfg.extract.teacher!r}", f"use one of {layer_contract.TEACHER_KINDS}"))
+    hidden = cfg.draft.hidden_size or t.hidden_size
+    out.append(Finding(
+        "hidden sizes", hidden == t.hidden_size,
+        f"draft.hidden_size={hidden}, target.hidden_size={t.hidden_size}",
+        "" if hidden == t.hidden_size else "set draft.hidden_size to the target's (the draft shares the target's embedding)",
+    ))
+    spec_ok = s.num_steps >= 1 and s.eagle_topk >= 1 and (s.eagle_topk > 1 or s.num_draft_tokens == s.num_steps + 1)
+    out.append(Finding(
+        "speculative args", spec_ok,
+        f"EAGLE3, steps={s.num_steps}, topk={s.eagle_topk}, draft tokens={s.num_draft_tokens}",
+        "" if spec_ok else f"with topk 1 set serve.num_draft_tokens={s.num_steps + 1}",
+    ))
+    bad_flags = [a for a in s.extra_args if a.startswith("--speculative-algorithm") or a == "EAGLE"]
+    if bad_flags:
+        out.append(Finding("speculative args", False, f"serve.extra_args sets {bad_flags}",
+                           "remove it: the algorithm is always EAGLE3 (EAGLE with an EAGLE-3 draft gives accept length 1.0)"))
+    deep = s.num_steps <= cfg.train.ttt_steps
+    out.append(Finding(
+        "draft steps", deep, f"serve.num_steps={s.num_steps}, train.ttt_steps={cfg.train.ttt_steps}",
+        "" if deep else f"raise train.ttt_steps to >= {s.num_steps} or lower serve.num_steps",
+    ))
+    return out
+
+
+def extraction_findings(cfg: RootConfig, extract_dir: Path, target_dir: Path | None) -> list[Finding]:
+    from orchestrator.targets import tokenizer_hash
+
+    manifest = read_json(Path(extract_dir) / MANIFEST, "extraction manifest")
+    where = f"{extract_dir}/{MANIFEST}"
+    out = [
+        Finding("layer ids", manifest["aux_layers"] == list(cfg.aux_layers),
+                f"{where}: extracted aux_layers={manifest['aux_layers']}, config aux_layers={list(cfg.aux_layers)}",
+                "" if manifest["aux_layers"] == list(cfg.aux_layers) else "re-extract with the configured aux_layers"),
+        Finding("teacher kind", manifest["teacher"]["kind"] == cfg.extract.teacher,
+                f"{where}: teacher {manifest['teacher']['kind']}, config extract.teacher={cfg.extract.teacher}",
+                "" if manifest["teacher"]["kind"] == cfg.extract.teacher else "re-extract, or set extract.teacher to the stored kind"),
+        Finding("hidden sizes", manifest["hidden_size"] == cfg.target.hidden_size,
+                f"{where}: hidden_size {manifest['hidden_size']}, target.hidden_size={cfg.target.hidden_size}",
+                "" if manifest["hidden_size"] == cfg.target.hidden_size else "extract from the configured target"),
+    ]
+    if target_dir is not None and (Path(target_dir) / "tokenizer.json").exists():
+        now = tokenizer_hash(Path(target_dir))
+        out.append(Finding("tokenizer", manifest["tokenizer_hash"] == now,
+                           f"{where}: tokenizer {manifest['tokenizer_hash']}, target's tokenizer now {now}",
+                           "" if manifest["tokenizer_hash"] == now else "re-extract: token ids or the chat template changed"))
+    return out
+
+
+def draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path | None) -> list[Finding]:
+    """The draft directory against SGLang's rules, the trained layers, tokenizer and TTT depth."""
+    from orchestrator.draft import export as draft_export
+    from orchestrator.serving import sglang as sglang_engine
+    from orchestrator.targets import target_config_json, tokenizer_hash
+
+    draft_dir = Path(draft_dir)
+    tconf = target_config_json(target_dir) if target_dir and (Path(target_dir) / "config.json").exists() else None
+    out: list[Finding] = []
+    for problem in draft_export.validate_draft_dir(draft_dir, tconf):
+        category = "draft vocabulary" if ("d2t" in problem or "t2d" in problem) else (
+            "hidden sizes" if "hidden_size" in problem else "draft config")
+        out.append(Finding(category, False, f"{draft_dir}: {problem}", "re-export the draft with the train stage"))
+    if any(not f.ok for f in out):
+        return out
+    out.append(Finding("draft config", True, f"{draft_dir}: meets SGLang's draft rules"))
+    conf = read_json(draft_dir / "config.json", "draft config")
+    prov_path = draft_dir / draft_export.PROVENANCE
+    if not prov_path.exists():
+        out.append(Finding("layer ids", False, f"{draft_dir}: no {draft_export.PROVENANCE}, so the trained layers are unknown",
+                           "train the draft with this orchestrator, or write its trained aux_layers there"))
+        return out
+    prov = read_json(prov_path, "draft provenance")
+    ids = conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    s = cfg.serve
+    try:
+        sglang_engine.check_layer_ids(cfg, ids, prov["aux_layers"], where=f"draft {draft_dir}")
+        out.append(Finding("layer ids", True, f"{draft_dir}: ids {ids} capture the trained aux_layers {prov['aux_layers']}"))
+    except sglang_engine.ServingRefused as exc:
+        message, _, fix = str(exc).partition(" Fix: ")
+        out.append(Finding("layer ids", False, message, fix))
+    if target_dir is not None and (Path(target_dir) / "tokenizer.json").exists():
+        now = tokenizer_hash(Path(target_dir))
+        out.append(Finding("tokenizer", prov.get("tokenizer_hash") == now,
+                           f"{draft_dir}: trained with tokenizer {prov.get('tokenizer_hash')}, serving target's is {now}",
+                           "" if prov.get("tokenizer_hash") == now else "serve the target the draft was trained for"))
+    trained_steps = prov.get("trained_ttt_steps")
+    if trained_steps is not None:
+        out.append(Finding("draft steps", s.num_steps <= trained_steps,
+                           f"serve.num_steps={s.num_steps}, the draft was trained with {trained_steps} TTT steps",
+                           "" if s.num_steps <= trained_steps else f"lower serve.num_steps to <= {trained_steps} or retrain deeper"))
+    return out
+
+
+def failures(findings: list[Finding]) -> list[Finding]:
+    return [f for f in findings if not f.ok]
+
+
+def run_checks(cfg: RootConfig, plan, draft_dir: str | None = None) -> list[Finding]:
+    """Config checks, then every artifact the plan's folders (or `draft_dir`) already hold."""
+    findings = config_findings(cfg)
+    target_dir = Path(plan.target_dir)
+    extract_dir = plan.dir("extract")
+    if (extract_dir / MANIFEST).exists():
+        findings += extraction_findings(cfg, extract_dir, target_dir)
+    draft = Path(draft_dir) if draft_dir else plan.dir("train") / "draft"
+    if (draft / "config.json").exists():
+        findings += draft_findings(cfg, draft, target_dir)
+    elif draft_dir:
+        findings.append(Finding("draft config", False, f"check_draft={draft_dir}: no config.json there"))
+    return findings
+
+
+def print_report(findings: list[Finding]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="preflight")
+    for col in ("category", "status", "finding", "fix"):
+        table.add_column(col, overflow="fold")
+    for f in findings:
+        table.add_row(f.category, "ok" if f.ok else "[red]FAIL[/red]", f.message, f.fix)
+    Console(width=200).print(table)
+
+
+def assert_serveable(cfg: RootConfig, draft_dir: Path, target_dir: Path) -> list[Any]:
+    """Stage boundary before serving: raises PreflightError unless the guard is off (then returns the failures)."""
+    bad = failures(draft_findings(cfg, draft_dir, target_dir))
+    if bad and cfg.serve.guard:
+        raise PreflightError(bad)
+    return bad
