@@ -109,7 +109,7 @@ class Engine:
                 new = drafts[:accepted] + [preds[accepted]]
                 verify += 1
                 histogram[accepted] += 1
-                cache.crop(last + 1 + accepted + 1)
+                _keep(cache, last + 1 + accepted + 1)
                 h = self.draft.extend(capture.aux()[:, : accepted + 1], torch.tensor([new]), last + 1, dcache)
                 last += accepted + 1
                 token = new[-1]
@@ -136,6 +136,14 @@ class Engine:
             "aux_layers_captured": self.layers,
             "engine": "orchestrator-reference",
         }
+
+
+def _keep(cache: DynamicCache, length: int) -> None:
+    """Drops the rejected draft positions from the target's KV cache (transformers 5 `crop` takes the number
+    of tokens to remove, as a negative int)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
 
 
 def make_handler(engine: Engine, lock: threading.Lock):

@@ -147,7 +147,9 @@ def mismatch_causes(cfg: RootConfig, prov: dict[str, Any], layers: list[int], ta
 def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
     out = plan.dir("eval")
     out.mkdir(parents=True, exist_ok=True)
-    draft_dir = plan.dir("train") / "draft"
+    from orchestrator.stages.serve import served_draft_dir
+
+    draft_dir = served_draft_dir(cfg, plan)
     draft, draft_conf = draft_export.load_draft(draft_dir)
     prov = draft_export.provenance(draft_dir)
     model, tokenizer = load_target(Path(plan.target_dir), cfg.target.trust_remote_code)

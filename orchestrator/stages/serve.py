@@ -22,17 +22,18 @@ from orchestrator.serving import sglang as sglang_engine
 from orchestrator.targets import target_config_json
 
 
-def served_draft_dir(cfg: RootConfig, plan, trained: Path) -> Path:
-    """The draft directory to serve: the trained one, or a copy whose ids say `serve.layers` when those differ
-    from the trained layers (a deliberate mismatch, e.g. the seed replay; the guard refuses it)."""
+def served_draft_dir(cfg: RootConfig, plan) -> Path:
+    """The draft directory serving gets: the trained one, or (when `serve.layers` differs from the trained
+    layers, a deliberate mismatch such as the seed replay, which the guard refuses) a copy whose config ids
+    say `serve.layers`. Eval and serve both use it, so the standalone eval sees what serving sees."""
+    trained = plan.dir("train") / "draft"
     if list(cfg.serve.layers) == list(cfg.train.layers):
         return trained
-    copy = plan.dir("serve") / "draft_served"
+    copy = Path(plan.run_dir) / "draft_served"
     if copy.exists():
         shutil.rmtree(copy)
     shutil.copytree(trained, copy)
     conf = read_json(copy / "config.json", "draft config")
-    t = cfg.target
     conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = _ids_as_written(cfg, list(cfg.serve.layers))
     write_json(copy / "config.json", conf)
     return copy
@@ -80,7 +81,7 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
     out = plan.dir("serve")
     out.mkdir(parents=True, exist_ok=True)
     target = Path(plan.target_dir)
-    draft = served_draft_dir(cfg, plan, plan.dir("train") / "draft")
+    draft = served_draft_dir(cfg, plan)
     flags: list[str] = []
     try:
         ids = sglang_engine.check_draft_for_serving(cfg, draft, target_config_json(target))

@@ -1,0 +1,150 @@
+"""The pipeline on a real single-node Slurm cluster (scripts/slurm_cluster.sh): dependent stage jobs, sweeps
+that fan out under one MLflow parent run, caching across runs, failure isolation, and requeue on SIGUSR2.
+
+Skipped unless SLURM_CONF points at a running cluster (scripts/test.sh starts one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+pytestmark = pytest.mark.slurm
+
+if not os.environ.get("SLURM_CONF") or shutil.which("sbatch") is None:
+    pytest.skip("no Slurm cluster (start one with scripts/slurm_cluster.sh start)", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import FAST  # noqa: E402
+
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+SLURM_FAST = [o for o in FAST if not o.startswith("train.max_steps")] + [
+    "cluster=slurm",
+    "extract.resources.cpus_per_task=1", "train.resources.cpus_per_task=1",
+    "eval.resources.cpus_per_task=1", "serve.resources.cpus_per_task=1",
+    "extract.resources.mem_gb=2", "train.resources.mem_gb=2", "eval.resources.mem_gb=2", "serve.resources.mem_gb=2",
+]
+
+
+def sacct_states(job_ids: list[str]) -> dict[str, str]:
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)], capture_output=True, text=True).stdout
+    states = {}
+    for line in out.splitlines():
+        job, _, state = line.partition("|")
+        states[job.strip()] = state.split()[0] if state else ""
+    return states
+
+
+def wait_terminal(job_ids: list[str], timeout: float = 900) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = sacct_states(job_ids)
+        if len(states) >= len(job_ids) and all(states.get(j) in TERMINAL for j in job_ids):
+            return states
+        time.sleep(2)
+    raise AssertionError(f"jobs not finished after {timeout} s: {sacct_states(job_ids)}")
+
+
+def cli(outputs: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(outputs)}
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.fixture
+def slurm_outputs(outputs, tmp_path):
+    """A fresh outputs folder holding a copy of the session's tiny target, so every stage runs as a job."""
+    fresh = tmp_path / "outputs"
+    targets = outputs / "cache" / "targets"
+    if targets.exists():
+        shutil.copytree(targets, fresh / "cache" / "targets", ignore=shutil.ignore_patterns("*.lock"))
+    return fresh
+
+
+def test_pipeline_runs_as_four_dependent_jobs(slurm_outputs):
+    proc = cli(slurm_outputs, "+experiment=tiny_eagle3", *SLURM_FAST, "train.max_steps=12", "cluster.wait=true", timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary_path = next(slurm_outputs.rglob("summary.json"))
+    summary = json.loads(summary_path.read_text())
+    assert set(summary["stages"]) == {"extract", "train", "eval", "serve"}
+    assert summary["stages"]["serve"]["greedy_outputs_identical"] is True
+    run = MlflowClient(summary["tracking_uri"]).get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    submitted = [line for line in proc.stdout.splitlines() if "submitted job" in line]
+    assert len(submitted) == 4, proc.stdout
+
+
+def test_sweep_fans_out_then_is_cached_and_a_failing_point_is_isolated(slurm_outputs):
+    sweep = ["-m", "+experiment=tiny_eagle3", *SLURM_FAST, "train.max_steps=12", "stages=[extract,train]", "aux_layers=[1,4,6],[0,3,6],[2,4,5]"]
+    started = time.monotonic()
+    proc = cli(slurm_outputs, *sweep)
+    submit_seconds = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(p.read_text()) for p in slurm_outputs.rglob("jobs.json")]
+    assert len(records) == 3
+    job_ids = [j for r in records for j in r.values()]
+    assert len(job_ids) == 6
+    queued = sacct_states(job_ids)
+    assert set(job_ids) <= set(queued), "every job of every point is queued when the command returns"
+    print(f"3-point sweep: {len(job_ids)} jobs queued in {submit_seconds:.1f} s")
+    states = wait_terminal(job_ids)
+    assert set(states.values()) == {"COMPLETED"}, states
+
+    uri = f"sqlite:///{slurm_outputs / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("tiny_eagle3")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(parents) == 1 and len(children) == 3
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
+    assert sorted(c.data.tags["aux_layers"] for c in children) == ["[0, 3, 6]", "[1, 4, 6]", "[2, 4, 5]"]
+    assert all(c.info.status == "FINISHED" and "train/val_acc_0" in c.data.metrics for c in children)
+
+    again = cli(slurm_outputs, *sweep)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "submitted job" not in again.stdout
+    assert again.stdout.count("cached:") == 6, again.stdout
+
+    # One point fails at run time (its target folder does not exist on the "cluster"); the others are untouched.
+    failing = cli(slurm_outputs, "-m", "+experiment=tiny_eagle3", *SLURM_FAST, "train.max_steps=12", "aux_layers=[1,4,6]",
+                  "target.path=/nonexistent/model,null", "stages=[extract,train,eval,serve]")
+    assert failing.returncode == 0, failing.stderr[-3000:]
+    newest = [json.loads(p.read_text()) for p in sorted(slurm_outputs.rglob("jobs.json"), key=lambda p: p.stat().st_mtime)[-2:]]
+    chain = next(r for r in newest if "extract" in r)
+    healthy = next(r for r in newest if "extract" not in r)  # extract and train cached from the first sweep
+    assert set(healthy) == {"eval", "serve"}
+    states = wait_terminal(list(chain.values()) + list(healthy.values()))
+    assert states[chain["extract"]] == "FAILED"
+    assert all(states[chain[s]] == "CANCELLED" for s in ("train", "eval", "serve")), states
+    assert all(states[healthy[s]] == "COMPLETED" for s in ("eval", "serve")), states
+    failed_runs = [r for r in client.search_runs([exp.experiment_id]) if r.info.status == "FAILED"]
+    assert failed_runs and "no config.json" in failed_runs[0].data.tags.get("error", "")
+
+
+def test_training_requeued_on_sigusr2_resumes_from_checkpoint(slurm_outputs):
+    common = ["+experiment=tiny_eagle3", *SLURM_FAST, "cluster.wait=true"]
+    proc = cli(slurm_outputs, *common, "train.max_steps=12", "stages=[extract]", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    long_train = ["stages=[extract,train]", "train.max_steps=60", "train.checkpoint_every=5", "train.resources.timeout_min=60"]
+    proc = cli(slurm_outputs, "+experiment=tiny_eagle3", *SLURM_FAST, *long_train)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = sorted(slurm_outputs.rglob("jobs.json"), key=lambda p: p.stat().st_mtime)[-1]
+    job_id = json.loads(record.read_text())["train"]
+    checkpoint = next((slurm_outputs / "cache" / "train").iterdir()) / "checkpoints" / "latest.pt"
+    deadline = time.monotonic() + 600
+    while not checkpoint.exists() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert checkpoint.exists()
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    states = wait_terminal([job_id], timeout=900)
+    assert states[job_id] == "COMPLETED"
+    logs = "".join(p.read_text(errors="replace") for p in record.parent.glob(f"jobs/{job_id}_*"))
+    assert "resumed from" in logs, logs[-3000:]
+    assert (checkpoint.parent.parent / "manifest.json").exists()
