@@ -94,6 +94,9 @@ class DraftConfig:
 @dataclass
 class ExtractConfig:
     layers: list[int] = MISSING
+    # Also capture these (e.g. the union of a sweep's aux_layers): sweep points then share one extraction
+    # and each training reads its own subset.
+    extra_layers: list[int] = field(default_factory=list)
     teacher: str = "post_norm"
     dtype: str = "bfloat16"
     shard_conversations: int = 256
@@ -257,6 +260,10 @@ def validate(cfg: RootConfig) -> None:
         list(cfg.stages) == list(STAGES[: len(cfg.stages)]) and cfg.stages,
         f"stages={cfg.stages}: expected a non-empty prefix of {list(STAGES)}, e.g. [extract] or [extract, train]",
     )
+    try:
+        layer_contract.validate_canonical(captured_layers(cfg), t.num_hidden_layers, key="extract.extra_layers")
+    except layer_contract.LayerContractError as exc:
+        raise ConfigError(str(exc)) from None
     check(cfg.extract.teacher in layer_contract.TEACHER_KINDS, f"extract.teacher={cfg.extract.teacher!r}: expected one of {layer_contract.TEACHER_KINDS}")
     check(cfg.extract.dtype in DTYPES, f"extract.dtype={cfg.extract.dtype!r}: expected one of {DTYPES}")
     check(cfg.draft.torch_dtype in DTYPES, f"draft.torch_dtype={cfg.draft.torch_dtype!r}: expected one of {DTYPES}")
@@ -280,3 +287,8 @@ def validate(cfg: RootConfig) -> None:
         layer_contract.to_engine_ids(s.engine, cfg.aux_layers, t.num_hidden_layers, t.family, s.sglang_version)
     except layer_contract.LayerContractError as exc:
         raise ConfigError(f"aux_layers={cfg.aux_layers} cannot be served by serve.engine={s.engine}: {exc}") from None
+
+
+def captured_layers(cfg: RootConfig) -> list[int]:
+    """What extraction captures: the stage's layers plus `extract.extra_layers`, ascending."""
+    return sorted(set(cfg.extract.layers) | set(cfg.extract.extra_layers))

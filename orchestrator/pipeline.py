@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from orchestrator import layers as layer_contract
 from orchestrator import preflight, runner, tracking
 from orchestrator.artifacts import CODE_VERSION, MANIFEST, stable_hash, write_json
-from orchestrator.config import RootConfig
+from orchestrator.config import RootConfig, captured_layers
 from orchestrator.targets import target_dir
 
 
@@ -45,9 +45,12 @@ def _subtree(cfg: RootConfig, name: str) -> dict[str, Any]:
 def stage_keys(cfg: RootConfig) -> dict[str, str]:
     """Cache keys: a hash of what determines each stage's output, chained through its upstream keys."""
     target = _subtree(cfg, "target") | {"seed": cfg.seed}
+    extract = _subtree(cfg, "extract")
+    extract["layers"] = captured_layers(cfg)  # what is captured decides the output, however it is split
+    extract.pop("extra_layers")
     keys: dict[str, str] = {}
     keys["extract"] = stable_hash(
-        {"target": target, "data": _subtree(cfg, "data"), "extract": _subtree(cfg, "extract"), "seed": cfg.seed, "code": CODE_VERSION["extract"]}
+        {"target": target, "data": _subtree(cfg, "data"), "extract": extract, "seed": cfg.seed, "code": CODE_VERSION["extract"]}
     )
     keys["train"] = stable_hash(
         {"extract": keys["extract"], "draft": _subtree(cfg, "draft"), "train": _subtree(cfg, "train"),
@@ -68,14 +71,14 @@ def stage_layer_ids(cfg: RootConfig, stage: str) -> dict[str, Any]:
     n = cfg.target.num_hidden_layers
     if stage == "extract":
         indices = []
-        for k in cfg.extract.layers:
+        for k in captured_layers(cfg):
             try:
                 indices.append(layer_contract.hf_hidden_states_index(k, n))
             except layer_contract.LayerContractError:
                 indices.append(None)  # the last layer's raw output is only reachable by a hook
         return {
             "convention": "hf",
-            "capture_points": [layer_contract.hf_capture_point(k, n) for k in cfg.extract.layers],
+            "capture_points": [layer_contract.hf_capture_point(k, n) for k in captured_layers(cfg)],
             "hidden_states_indices": indices,
             "teacher": {"kind": cfg.extract.teacher, "capture_point": layer_contract.hf_teacher_capture_point(cfg.extract.teacher, n)},
         }

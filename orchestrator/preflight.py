@@ -96,9 +96,9 @@ def extraction_findings(cfg: RootConfig, extract_dir: Path, target_dir: Path | N
     manifest = read_json(Path(extract_dir) / MANIFEST, "extraction manifest")
     where = f"{extract_dir}/{MANIFEST}"
     out = [
-        Finding("layer ids", manifest["aux_layers"] == list(cfg.aux_layers),
+        Finding("layer ids", set(cfg.aux_layers) <= set(manifest["aux_layers"]),
                 f"{where}: extracted aux_layers={manifest['aux_layers']}, config aux_layers={list(cfg.aux_layers)}",
-                "" if manifest["aux_layers"] == list(cfg.aux_layers) else "re-extract with the configured aux_layers"),
+                "" if set(cfg.aux_layers) <= set(manifest["aux_layers"]) else "re-extract with the configured aux_layers"),
         Finding("teacher kind", manifest["teacher"]["kind"] == cfg.extract.teacher,
                 f"{where}: teacher {manifest['teacher']['kind']}, config extract.teacher={cfg.extract.teacher}",
                 "" if manifest["teacher"]["kind"] == cfg.extract.teacher else "re-extract, or set extract.teacher to the stored kind"),

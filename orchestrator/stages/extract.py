@@ -24,7 +24,7 @@ from tqdm import tqdm
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import atomic_path, file_sha256, read_json, write_json, write_manifest
 from orchestrator.capture import HiddenStateCapture
-from orchestrator.config import RootConfig
+from orchestrator.config import RootConfig, captured_layers
 from orchestrator.data import conversations, render
 from orchestrator.targets import ensure_target, identity, load_target
 
@@ -44,7 +44,7 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
     model, tokenizer = load_target(target_path, cfg.target.trust_remote_code)
     train_convs, val_convs = conversations(cfg.data, cfg.seed)
     n = target.num_hidden_layers
-    layers = list(layer_contract.validate_canonical(cfg.extract.layers, n))
+    layers = list(layer_contract.validate_canonical(captured_layers(cfg), n))
 
     started = time.time()
     splits, tokens_done, bytes_done = {}, 0, 0
@@ -156,12 +156,17 @@ def _extract_chunk(model, tokenizer, chunk, layers: list[int], cfg: RootConfig) 
 
 def load_manifest_checked(folder: Path, cfg: RootConfig) -> dict[str, Any]:
     """The extraction manifest, refused when it disagrees with this run's config."""
-    from orchestrator.artifacts import read_manifest, require_equal
+    from orchestrator.artifacts import ArtifactError, read_manifest, require_equal
 
     manifest = read_manifest(folder, "extract")
     path = Path(folder) / "manifest.json"
-    require_equal(path, "aux_layers", manifest["aux_layers"], list(cfg.train.layers),
-                  "Re-extract with this aux_layers (the cache key differs, so a normal run does) or train with the extracted layers.")
+    missing = [k for k in cfg.train.layers if k not in manifest["aux_layers"]]
+    if missing:
+        raise ArtifactError(
+            f"{path}: aux_layers is {manifest['aux_layers']} but this run's config says {list(cfg.train.layers)} "
+            f"({missing} not extracted). Re-extract with this aux_layers (the cache key differs, so a normal run does) "
+            "or train with the extracted layers."
+        )
     require_equal(path, "teacher.kind", manifest["teacher"]["kind"], cfg.extract.teacher,
                   "The teacher state kind (pre/post final norm) must match how training computes teacher logits.")
     require_equal(path, "target.name", manifest["target"]["name"], cfg.target.name, "Extract from the configured target.")

@@ -36,8 +36,13 @@ class Sequence:
     teacher: torch.Tensor  # [L, Ht]
 
 
-def load_split(folder: Path, manifest: dict[str, Any], split: str, verify: bool = True) -> list[Sequence]:
-    """Sequences of one split, each shard checked against the manifest's size and checksum."""
+def load_split(folder: Path, manifest: dict[str, Any], split: str, layers: list[int] | None = None, verify: bool = True) -> list[Sequence]:
+    """Sequences of one split, each shard checked against the manifest's size and checksum; with `layers`,
+    only those aux states (a subset of what was extracted), in that order."""
+    hidden = manifest["hidden_size"]
+    columns = None
+    if layers is not None and list(layers) != manifest["aux_layers"]:
+        columns = torch.cat([torch.arange(hidden) + manifest["aux_layers"].index(k) * hidden for k in layers])
     seqs: list[Sequence] = []
     for record in manifest["splits"][split]["shards"]:
         path = Path(folder) / record["file"]
@@ -46,6 +51,8 @@ def load_split(folder: Path, manifest: dict[str, Any], split: str, verify: bool 
         if verify and file_sha256(path) != record["sha256"]:
             raise ArtifactError(f"{path}: checksum differs from the extraction manifest; the shard is corrupt, re-run extraction")
         t = load_file(str(path))
+        if columns is not None:
+            t["aux_hidden_states"] = t["aux_hidden_states"][:, columns]
         offsets = [0] + torch.cumsum(t["seq_lens"].long(), 0).tolist()
         for a, b in zip(offsets[:-1], offsets[1:]):
             seqs.append(
@@ -212,8 +219,8 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
             f"{extract_dir}/manifest.json: tokenizer_hash {manifest['tokenizer_hash']} differs from the target's "
             f"tokenizer at {target_path} ({tok_hash}); the extracted token ids do not mean the same tokens. Re-extract."
         )
-    train_seqs = load_split(extract_dir, manifest, "train")
-    val_seqs = load_split(extract_dir, manifest, "val")
+    train_seqs = load_split(extract_dir, manifest, "train", list(tc.layers))
+    val_seqs = load_split(extract_dir, manifest, "val", list(tc.layers))
     draft, head = build_draft(cfg, target_path, extract_dir, manifest)
     kept = draft.to_target_ids(torch.arange(draft.shape.draft_vocab_size))
     steps = tc.ttt_steps
