@@ -1,0 +1,1 @@
+"""Serving engines: the project's reference server and the SGLang launch command."""

@@ -1,0 +1,318 @@
+"""SGLang's command line and draft directory (orchestrator/serving/sglang.py), against golden files.
+
+Goldens live in tests/golden/; `UPDATE_GOLDEN=1 pytest tests/test_sglang.py` rewrites them (review the diff).
+The `sglang` tests parse the golden commands with sglang's own parser: they need `SGLANG_PYTHON` pointing at a
+python that imports sglang (scripts/make_sglang_env.sh builds one).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import orchestrator
+from orchestrator import layers as layer_contract
+from orchestrator.config import RootConfig, load
+from orchestrator.draft import export as draft_export
+from orchestrator.draft.model import DraftShape, Eagle3Draft, default_shape
+from orchestrator.serving import sglang
+from orchestrator.serving.sglang import ServingRefused
+
+GOLDEN = Path(__file__).parent / "golden"
+SERVING_PYTHON = "/opt/sglang-env/bin/python"
+PORT = 30000
+# Fixed paths for the goldens, one of them hostile: argv elements are passed verbatim, never through a shell.
+KIMI_PATHS = ("/models/Kimi-K2.5", "/outputs/kimi_eagle3/train/draft")
+LLAMA_PATHS = ("/models/tiny llama's target", "/outputs/tiny_eagle3/train/draft")
+
+EXPERIMENTS = {
+    "kimi_eagle3": (["+experiment=kimi_eagle3"], KIMI_PATHS),
+    "tiny_eagle3_sglang": (["+experiment=tiny_eagle3", "serve=sglang"], LLAMA_PATHS),
+}
+
+
+def make_config(overrides: list[str]) -> RootConfig:
+    with initialize_config_dir(config_dir=str(orchestrator.conf_dir()), version_base="1.3"):
+        # serve.python defaults to $SGLANG_PYTHON; pin it so goldens do not depend on the environment.
+        return load(compose("config", overrides=[*overrides, f"serve.python={SERVING_PYTHON}"]))
+
+
+def assert_golden(name: str, data: Any) -> None:
+    path = GOLDEN / f"{name}.json"
+    text = json.dumps(data, indent=2) + "\n"
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return
+    if not path.exists():
+        pytest.fail(f"golden file {path} missing; create it with UPDATE_GOLDEN=1")
+    expected = path.read_text()
+    if text != expected:
+        diff = "".join(difflib.unified_diff(expected.splitlines(True), text.splitlines(True), str(path), "actual"))
+        pytest.fail(f"output differs from {path} (UPDATE_GOLDEN=1 rewrites it if the change is intended):\n{diff}")
+
+
+def launch_commands(experiment: str) -> dict[str, list[str]]:
+    overrides, (target, draft) = EXPERIMENTS[experiment]
+    cfg = make_config(overrides)
+    return {
+        "speculative": sglang.launch_command(cfg, target, draft, PORT),
+        "baseline": sglang.launch_command(cfg, target, None, PORT),
+    }
+
+
+def target_config_of(cfg: RootConfig) -> dict[str, Any]:
+    """The fields of the target's HF config.json that the draft export reads."""
+    t = cfg.target
+    conf = {
+        "architectures": [t.architecture],
+        "hidden_size": t.hidden_size,
+        "num_hidden_layers": t.num_hidden_layers,
+        "vocab_size": t.vocab_size,
+        "max_position_embeddings": t.max_position_embeddings,
+        "rope_theta": t.rope_theta,
+    }
+    if t.rope_scaling is not None:
+        conf["rope_scaling"] = t.rope_scaling
+    return conf
+
+
+def exported_draft_config(cfg: RootConfig) -> dict[str, Any]:
+    t, d = cfg.target, cfg.draft
+    shape = default_shape(
+        t.hidden_size, t.vocab_size, d.num_aux_layers, d.hidden_size, d.num_attention_heads, d.num_key_value_heads,
+        d.head_dim, d.intermediate_size, d.draft_vocab_size, d.rms_norm_eps, t.rope_theta,
+        d.max_position_embeddings or t.max_position_embeddings,
+    )
+    ids = layer_contract.to_engine_ids(cfg.serve.engine, cfg.aux_layers, t.num_hidden_layers, t.family, cfg.serve.sglang_version)
+    return draft_export.draft_config(shape, ids, d.torch_dtype, target_config_of(cfg), shape.max_position_embeddings)
+
+
+# ------------------------------------------------------------------------------------------------- goldens
+
+
+@pytest.mark.parametrize("experiment", sorted(EXPERIMENTS))
+def test_launch_command_matches_golden(experiment):
+    assert_golden(f"sglang_launch_{experiment}", launch_commands(experiment))
+
+
+def test_launch_command_invariants():
+    for experiment in EXPERIMENTS:
+        commands = launch_commands(experiment)
+        spec, base = commands["speculative"], commands["baseline"]
+        assert spec[:3] == [SERVING_PYTHON, "-m", "sglang.launch_server"]
+        assert spec[spec.index("--speculative-algorithm") + 1] == "EAGLE3"
+        for flag in ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens"):
+            assert flag in spec
+        assert not [a for a in base if a.startswith("--speculative")]
+        assert "--cuda-graph-max-bs" not in spec
+        assert spec[-4:] == ["--host", "127.0.0.1", "--port", str(PORT)]
+    kimi = launch_commands("kimi_eagle3")["speculative"]
+    assert kimi[kimi.index("--tp-size") + 1] == "8" and "--trust-remote-code" in kimi
+    assert kimi[kimi.index("--model-path") + 1] == KIMI_PATHS[0]
+    llama = launch_commands("tiny_eagle3_sglang")["speculative"]
+    assert "--tp-size" not in llama and "--trust-remote-code" not in llama
+    assert llama[llama.index("--model-path") + 1] == LLAMA_PATHS[0]
+
+
+def test_optional_flags_follow_the_config():
+    cfg = make_config(["+experiment=tiny_eagle3", "serve=sglang", "serve.cuda_graph_max_bs_decode=16",
+                       "serve.mem_fraction_static=0.7", "serve.dtype=null", "serve.extra_args=[--log-level,debug]"])
+    argv = sglang.launch_command(cfg, "/t", "/d", 31000, host="0.0.0.0")
+    assert argv[argv.index("--cuda-graph-max-bs-decode") + 1] == "16"
+    assert argv[argv.index("--mem-fraction-static") + 1] == "0.7"
+    assert "--dtype" not in argv
+    assert argv[-6:] == ["--log-level", "debug", "--host", "0.0.0.0", "--port", "31000"]
+
+
+def test_kimi_draft_config_matches_golden():
+    cfg = make_config(["+experiment=kimi_eagle3"])
+    assert cfg.aux_layers == [-1, 2, 30]
+    conf = exported_draft_config(cfg)
+    # sglang >= 0.5.13 reads DeepSeek/Kimi ids as "entering layer k" unless the first id is 1 (PR #25454).
+    assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 31]
+    assert conf["draft_vocab_size"] == 32000 and conf["target_hidden_size"] == 7168
+    assert_golden("sglang_draft_config_kimi_eagle3", conf)
+
+
+def test_llama_draft_config_matches_golden():
+    cfg = make_config(["+experiment=tiny_eagle3", "serve=sglang"])
+    conf = exported_draft_config(cfg)
+    # Llama: sglang stores k + 1 and captures the state entering that layer, i.e. the output of layer k.
+    assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == cfg.aux_layers == [1, 4, 6]
+    assert_golden("sglang_draft_config_tiny_eagle3", conf)
+
+
+# ------------------------------------------------------------------------------------------ argument errors
+
+
+def test_topk_one_with_other_draft_token_count_is_refused():
+    cfg = make_config(["+experiment=kimi_eagle3"])
+    cfg.serve.num_draft_tokens = 6
+    with pytest.raises(ValueError, match=r"serve\.num_draft_tokens=6.*serve\.num_steps\+1=4"):
+        sglang.launch_command(cfg, *KIMI_PATHS, PORT)
+
+
+def test_tree_drafting_keeps_its_draft_token_count():
+    cfg = make_config(["+experiment=kimi_eagle3", "serve.eagle_topk=4", "serve.num_draft_tokens=8"])
+    argv = sglang.launch_command(cfg, *KIMI_PATHS, PORT)
+    assert argv[argv.index("--speculative-eagle-topk") + 1] == "4"
+    assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "8"
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        (["--cuda-graph-max-bs", "8"], "serve.cuda_graph_max_bs_decode"),
+        (["--cuda-graph-max-bs=8"], "serve.cuda_graph_max_bs_decode"),
+        (["--speculative-algorithm", "EAGLE"], "serve.num_steps"),
+        (["--speculative-num-steps=5"], "serve.num_steps"),
+        (["--port", "1"], "the port argument"),
+        (["--tp", "4"], "serve.tp_size"),
+        (["--model", "/other"], "target.path"),
+    ],
+)
+def test_extra_args_that_fight_the_config_are_refused(extra, key):
+    cfg = make_config(["+experiment=kimi_eagle3"])
+    cfg.serve.extra_args = extra
+    with pytest.raises(ValueError, match=f"serve.extra_args.*{extra[0]}.*{key}"):
+        sglang.launch_command(cfg, *KIMI_PATHS, PORT)
+
+
+# ----------------------------------------------------------------------------------- the draft directory
+
+
+TINY = DraftShape(hidden_size=32, target_hidden_size=32, num_aux_layers=3, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, intermediate_size=64, vocab_size=64, draft_vocab_size=48,
+                  max_position_embeddings=2048)
+TINY_TARGET = {"hidden_size": 32, "vocab_size": 64, "max_position_embeddings": 2048, "rope_theta": 10000.0}
+
+
+def write_draft(folder: Path, ids: list[int], trained: list[int]) -> Path:
+    torch.manual_seed(0)
+    draft = Eagle3Draft(TINY)
+    draft.set_vocab_map(*draft_export.build_vocab_map(torch.randint(0, 100, (TINY.vocab_size,)), TINY.draft_vocab_size))
+    conf = draft_export.draft_config(TINY, ids, "bfloat16", TINY_TARGET, TINY.max_position_embeddings)
+    draft_export.export(draft, folder, conf, {"aux_layers": trained}, TINY_TARGET)
+    return folder
+
+
+def rewrite_ids(folder: Path, ids: list[int]) -> None:
+    conf = json.loads((folder / "config.json").read_text())
+    conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+    (folder / "config.json").write_text(json.dumps(conf))
+
+
+def test_draft_with_contract_ids_is_accepted_and_other_ids_refused(tmp_path):
+    cfg = make_config(["+experiment=tiny_eagle3", "serve=sglang"])
+    ids = layer_contract.to_engine_ids("sglang", cfg.aux_layers, cfg.target.num_hidden_layers, "llama", "0.5.23")
+    folder = write_draft(tmp_path / "draft", ids, cfg.aux_layers)
+    assert sglang.check_draft_for_serving(cfg, folder, TINY_TARGET) == ids
+
+    rewrite_ids(folder, [2, 5, 7])
+    with pytest.raises(ServingRefused) as err:
+        sglang.check_draft_for_serving(cfg, folder, TINY_TARGET)
+    message = str(err.value)
+    assert "eagle_aux_hidden_state_layer_ids=[2, 5, 7]" in message
+    assert "aux_layers=[1, 4, 6]" in message
+    assert "captures only 2 states for 3 ids: [2, 5]" in message  # id 7 -> layer 8 does not exist
+    assert "set it to [1, 4, 6]" in message
+
+
+def test_kimi_seed_ids_written_as_is_are_refused(tmp_path):
+    cfg = make_config(["+experiment=kimi_eagle3"])
+    folder = write_draft(tmp_path / "draft", [0, 3, 31], [-1, 2, 30])
+    assert sglang.check_draft_for_serving(cfg, folder, TINY_TARGET) == [0, 3, 31]
+
+    # The seed wrote the canonical list as-is: sglang 0.5.23 drops -1 and reads 2, 30 as "entering".
+    rewrite_ids(folder, [-1, 2, 30])
+    with pytest.raises(ServingRefused) as err:
+        sglang.check_draft_for_serving(cfg, folder, TINY_TARGET)
+    message = str(err.value)
+    assert "eagle_aux_hidden_state_layer_ids=[-1, 2, 30]" in message
+    assert "trained on aux_layers=[-1, 2, 30]" in message
+    assert "captures only 2 states for 3 ids: [1, 29]" in message
+    assert "set it to [0, 3, 31]" in message
+
+    # SGLang's own default-style ids: three states, but the wrong ones.
+    rewrite_ids(folder, [2, 30, 58])
+    with pytest.raises(ServingRefused, match=r"captures \[1, 29, 57\].*set it to \[0, 3, 31\]"):
+        sglang.check_draft_for_serving(cfg, folder, TINY_TARGET)
+
+
+def test_kimi_ids_depend_on_the_sglang_version():
+    # Before PR #25454 (sglang < 0.5.13) the DeepSeek family always shifted by one, so the seed's list was right.
+    old = make_config(["+experiment=kimi_eagle3", "serve.sglang_version=0.5.12"])
+    sglang.check_layer_ids(old, [-1, 2, 30], [-1, 2, 30])
+    with pytest.raises(ServingRefused, match=r"sglang 0\.5\.12 .*set it to \[-1, 2, 30\]"):
+        sglang.check_layer_ids(old, [0, 3, 31], [-1, 2, 30])
+
+
+def test_malformed_draft_or_missing_provenance_is_refused(tmp_path):
+    cfg = make_config(["+experiment=tiny_eagle3", "serve=sglang"])
+    folder = write_draft(tmp_path / "draft", [1, 4, 6], [1, 4, 6])
+    with pytest.raises(ServingRefused, match="target_hidden_size=32 but the target's hidden_size is 256"):
+        sglang.check_draft_for_serving(cfg, folder, TINY_TARGET | {"hidden_size": 256})
+    (folder / draft_export.PROVENANCE).unlink()
+    with pytest.raises(ServingRefused, match="no trained aux_layers"):
+        sglang.check_draft_for_serving(cfg, folder, TINY_TARGET)
+
+
+# ------------------------------------------------------------------------------ sglang's own parser
+
+
+def test_parser_check_script_uses_sglangs_parser():
+    script = sglang.parser_check_script()
+    assert "ServerArgs.add_cli_args(parser)" in script and "parse_args(sys.argv[1:])" in script
+    compile(script, "<parser_check>", "exec")
+
+
+def test_missing_serving_python(tmp_path):
+    missing = str(tmp_path / "no-python")
+    assert not sglang.sglang_available(missing)
+    with pytest.raises(ServingRefused, match="does not exist"):
+        sglang.validate_with_sglang(missing, [missing, "-m", "sglang.launch_server", "--model-path", "/t"])
+
+
+def test_python_without_sglang(tmp_path):
+    python = sys.executable  # the project's environment, which never holds sglang
+    if sglang.sglang_available(python):
+        pytest.skip("this environment imports sglang")
+    with pytest.raises(ServingRefused, match="cannot import sglang.srt.server_args.*make_sglang_env.sh"):
+        sglang.validate_with_sglang(python, [python, "-m", "sglang.launch_server", "--model-path", "/t"])
+
+
+@pytest.fixture(scope="module")
+def sglang_python() -> str:
+    # Each call into the serving environment imports torch and sglang (~8 s on 2 cores): check once.
+    python = os.environ.get("SGLANG_PYTHON")
+    if not python or not sglang.sglang_available(python):
+        pytest.skip("set SGLANG_PYTHON to a python that imports sglang (scripts/make_sglang_env.sh)")
+    return python
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("experiment", sorted(EXPERIMENTS))
+def test_golden_commands_parse_with_sglang(experiment, sglang_python):
+    python = sglang_python
+    commands = json.loads((GOLDEN / f"sglang_launch_{experiment}.json").read_text())
+    for argv in commands.values():
+        sglang.validate_with_sglang(python, argv)
+
+
+@pytest.mark.sglang
+def test_sglang_parser_errors_come_back(sglang_python):
+    python = sglang_python
+    argv = [python, "-m", "sglang.launch_server", "--model-path", "/t", "--cuda-graph-max-bs", "8"]
+    with pytest.raises(ServingRefused, match="ambiguous option: --cuda-graph-max-bs could match"):
+        sglang.validate_with_sglang(python, argv)
+    with pytest.raises(ServingRefused, match="--speculative-num-steps: invalid int value"):
+        sglang.validate_with_sglang(python, argv[:5] + ["--speculative-num-steps", "three"])
