@@ -150,7 +150,9 @@ def benchmark(server: ServerProcess, prompts: list[list[int]], max_new_tokens: i
         "latency_mean_s": statistics.mean(latencies),
         "latency_p50_s": statistics.median(latencies),
         "latency_max_s": max(latencies),
-        "accept_length": completion / sum(verify) if None not in verify and sum(verify) else None,
+        # Σ completion_tokens / Σ spec_verify_ct over the finished responses (a response that ended on its
+        # prefill token has no verify pass); None for a server that does not speculate.
+        "accept_length": completion / sum(v or 0 for v in verify) if any(verify) else None,
         "output_ids": [r["output_ids"] for r in responses],
     }
 

@@ -1,0 +1,490 @@
+"""Build, train and cache tiny HF target models (Llama, DeepSeek-V3) on the stdlib chat corpus.
+
+Determinism: given the same seed, spec, Python stdlib, torch/transformers/tokenizers versions,
+CPU instruction set and torch thread count, a step-limited build produces bit-identical weights.
+Changing the thread count can change float reduction order and hence the weights; a
+``seconds``-limited build is not reproducible (the step count depends on machine speed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .corpus import Conversation, corpus_fingerprint, stdlib_conversations
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "<|assistant|>{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}"
+    "{%- elif message['role'] in ['user', 'system'] -%}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{%- else -%}"
+    "{{ raise_exception('unsupported role: ' + message['role']) }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+
+PAD_TOKEN = "<|pad|>"
+END_TOKEN = "<|end|>"  # doubles as eos
+ROLE_TOKENS = ("<|user|>", "<|assistant|>", "<|system|>")
+SPECIAL_TOKENS = (PAD_TOKEN, END_TOKEN, *ROLE_TOKENS)
+
+REPORT_NAME = "build_report.json"
+ARCHS = ("llama", "deepseek_v3")
+
+TRAIN_DEFAULTS: dict[str, Any] = {
+    "steps": None,  # stop after this many optimizer steps ...
+    "seconds": None,  # ... and/or after this much training wall time (not reproducible)
+    "seq_len": 256,
+    "batch_size": 8,
+    "lr": 3e-3,
+    "min_lr_ratio": 0.1,
+    "warmup_steps": 20,
+    "weight_decay": 0.1,
+    "betas": (0.9, 0.95),
+    "grad_clip": 1.0,
+    "tokenizer_vocab_size": None,  # None: the model's vocab_size
+    "tokenizer_max_texts": 20000,
+    "eval_sequences": 48,
+    "max_files": None,  # corpus subsample, for tests
+    "threads": None,  # torch intra-op threads during the build; None: leave torch's setting
+}
+
+# Tuned on a 2-core CPU. Training is compute-bound at ~2-6k tokens/s, so a ~60 s budget sees only
+# a few hundred thousand tokens: a narrow-but-deep model (hidden 128) learns more in that budget
+# than hidden 256 (see the module report in the PR/notes for measured losses).
+DEFAULT_SPECS: dict[str, dict[str, Any]] = {
+    "tiny_llama": {
+        "arch": "llama",
+        "model": {
+            "vocab_size": 2048,
+            "hidden_size": 128,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "intermediate_size": 352,
+            "max_position_embeddings": 2048,
+        },
+        "train": {"steps": 200, "seq_len": 256, "batch_size": 8, "lr": 1e-2, "warmup_steps": 10},
+    },
+    "tiny_deepseek_v3": {
+        "arch": "deepseek_v3",
+        "model": {
+            "vocab_size": 2048,
+            "hidden_size": 192,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "intermediate_size": 512,
+            "moe_intermediate_size": 192,
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "q_lora_rank": 96,
+            "kv_lora_rank": 64,
+            "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 32,
+            "v_head_dim": 32,
+            "max_position_embeddings": 2048,
+        },
+        "train": {"steps": 150, "seq_len": 256, "batch_size": 8, "lr": 1e-2, "warmup_steps": 10},
+    },
+}
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int, out_dir: Path | None = None, *, model_max_length: int = 2048):
+    """Train a byte-level BPE tokenizer; return it as a ``PreTrainedTokenizerFast``.
+
+    If ``out_dir`` is given the tokenizer is saved there (tokenizer.json, tokenizer_config.json,
+    chat template) and is loadable with ``AutoTokenizer.from_pretrained(out_dir)``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=END_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=list(ROLE_TOKENS),
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=model_max_length,
+    )
+    if out_dir is not None:
+        fast.save_pretrained(str(out_dir))
+    return fast
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _normalize_spec(arch: str, model: dict, train: dict, seed: int) -> dict[str, Any]:
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    unknown = set(train) - set(TRAIN_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown train keys: {sorted(unknown)}")
+    tr = {**TRAIN_DEFAULTS, **train}
+    if tr["steps"] is None and tr["seconds"] is None:
+        raise ValueError("train needs 'steps' and/or 'seconds'")
+    # json round trip: tuples -> lists, so a spec compares equal to the one read back from disk.
+    return json.loads(json.dumps({"arch": arch, "model": dict(model), "train": tr, "seed": int(seed)}, sort_keys=True))
+
+
+def spec_hash(arch: str, model: dict, train: dict, seed: int) -> str:
+    """Short content hash of a build spec, handy for naming cache directories."""
+    spec = _normalize_spec(arch, model, train, seed)
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _make_config(arch: str, model: dict, tokenizer) -> Any:
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    ids = {
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": None,
+        "tie_word_embeddings": False,
+    }
+    kwargs = {**ids, "vocab_size": len(tokenizer), **model}
+    if kwargs["vocab_size"] < len(tokenizer):
+        raise ValueError(f"model vocab_size {kwargs['vocab_size']} < tokenizer size {len(tokenizer)}")
+    cls = LlamaConfig if arch == "llama" else DeepseekV3Config
+    return cls(**kwargs)
+
+
+def weights_sha256(model_dir: Path) -> dict[str, Any]:
+    """sha256 per ``*.safetensors`` file plus a combined hash over (name, digest) pairs."""
+    files = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        files[path.name] = h.hexdigest()
+    combined = hashlib.sha256("".join(f"{n}:{d}\n" for n, d in files.items()).encode()).hexdigest()
+    return {"combined": combined, "files": files}
+
+
+class _PackedStream:
+    """Endless stream of [batch, seq_len] token blocks from shuffled, concatenated conversations."""
+
+    def __init__(self, tokenizer, convs: list[Conversation], seq_len: int, batch_size: int, seed: int):
+        if not convs:
+            raise ValueError("no training conversations")
+        self.tok, self.convs = tokenizer, convs
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.rng = random.Random(seed)
+        self.buffer: list[int] = []
+        self.tokens_seen = 0
+        self.epochs = 0
+        self._convs_iter: Iterator[Conversation] = iter(())
+
+    def _refill(self, n_convs: int = 64) -> None:
+        batch: list[Conversation] = []
+        while len(batch) < n_convs:
+            conv = next(self._convs_iter, None)
+            if conv is None:
+                if batch:
+                    break
+                order = list(self.convs)
+                self.rng.shuffle(order)
+                self._convs_iter = iter(order)
+                self.epochs += 1
+                continue
+            batch.append(conv)
+        texts = self.tok.apply_chat_template(batch, tokenize=False)
+        for ids in self.tok(texts, add_special_tokens=False)["input_ids"]:
+            self.buffer.extend(ids)
+
+    def next_batch(self) -> torch.Tensor:
+        need = self.seq_len * self.batch_size
+        while len(self.buffer) < need:
+            self._refill()
+        block, self.buffer = self.buffer[:need], self.buffer[need:]
+        self.tokens_seen += need
+        return torch.tensor(block, dtype=torch.long).view(self.batch_size, self.seq_len)
+
+
+def _eval_blocks(tokenizer, convs: list[Conversation], seq_len: int, n_blocks: int):
+    """Pack heldout conversations into blocks with their assistant masks.
+
+    The conversation order uses a fixed seed (not the build seed) so every build is scored on
+    the same text, drawn from many heldout files rather than the first few.
+    """
+    convs = list(convs)
+    random.Random(0).shuffle(convs)
+    ids: list[int] = []
+    mask: list[int] = []
+    need = seq_len * n_blocks
+    for conv in convs:
+        enc = tokenizer.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids.extend(enc["input_ids"])
+        mask.extend(enc["assistant_masks"])
+        if len(ids) >= need:
+            break
+    n = len(ids) // seq_len
+    if n == 0:
+        raise ValueError("heldout corpus too small for one eval block")
+    ids_t = torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+    mask_t = torch.tensor(mask[: n * seq_len], dtype=torch.bool).view(n, seq_len)
+    return ids_t, mask_t
+
+
+@torch.no_grad()
+def _evaluate(model, ids: torch.Tensor, mask: torch.Tensor, batch_size: int) -> dict[str, float]:
+    model.eval()
+    tot = {"all": [0.0, 0, 0], "assistant": [0.0, 0, 0]}  # loss sum, correct, count
+    for i in range(0, ids.shape[0], batch_size):
+        x = ids[i : i + batch_size]
+        logits = model(input_ids=x).logits[:, :-1].float()
+        target = x[:, 1:]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
+        correct = logits.argmax(-1) == target
+        for key, sel in (("all", torch.ones_like(target, dtype=torch.bool)), ("assistant", mask[i : i + batch_size, 1:])):
+            tot[key][0] += nll[sel].sum().item()
+            tot[key][1] += correct[sel].sum().item()
+            tot[key][2] += int(sel.sum())
+    model.train()
+    out = {}
+    for key, (loss, correct, count) in tot.items():
+        prefix = "heldout" if key == "all" else "heldout_assistant"
+        out[f"{prefix}_loss"] = loss / max(count, 1)
+        out[f"{prefix}_top1"] = correct / max(count, 1)
+        out[f"{prefix}_tokens"] = count
+    return out
+
+
+def _lr_factor(progress: float, step: int, warmup: int, min_ratio: float) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def _progress(total: int | None, enabled: bool, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=False)
+
+
+# --------------------------------------------------------------------------- build
+
+
+def _train_and_save(tmp: Path, spec: dict[str, Any], progress: bool) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    arch, model_over, tr, seed = spec["arch"], spec["model"], spec["train"], spec["seed"]
+    t_start = time.perf_counter()
+    if tr["threads"]:
+        torch.set_num_threads(tr["threads"])
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+    train_convs, heldout_convs = stdlib_conversations(seed, tr["max_files"])
+    rng = random.Random(seed)
+    tok_texts = [m["content"] for conv in train_convs for m in conv]
+    rng.shuffle(tok_texts)
+    tok_vocab = tr["tokenizer_vocab_size"] or model_over.get("vocab_size", 2048)
+    max_pos = model_over.get("max_position_embeddings", 2048)
+    tokenizer = train_tokenizer(tok_texts[: tr["tokenizer_max_texts"]], tok_vocab, model_max_length=max_pos)
+    t_tok = time.perf_counter()
+
+    config = _make_config(arch, model_over, tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+
+    seq_len, bs = tr["seq_len"], tr["batch_size"]
+    stream = _PackedStream(tokenizer, train_convs, seq_len, bs, seed + 1)
+    eval_ids, eval_mask = _eval_blocks(tokenizer, heldout_convs, seq_len, tr["eval_sequences"])
+
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": tr["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=tr["lr"],
+        betas=tuple(tr["betas"]),
+    )
+
+    steps, seconds = tr["steps"], tr["seconds"]
+    bar = _progress(steps, progress, f"train {arch}")
+    step, loss_ema, last_loss = 0, None, float("nan")
+    step_times: list[float] = []
+    t_train = time.perf_counter()
+    while True:
+        elapsed = time.perf_counter() - t_train
+        if (steps is not None and step >= steps) or (seconds is not None and elapsed >= seconds):
+            break
+        progress_frac = max(step / steps if steps else 0.0, elapsed / seconds if seconds else 0.0)
+        lr = tr["lr"] * _lr_factor(progress_frac, step, tr["warmup_steps"], tr["min_lr_ratio"])
+        for group in opt.param_groups:
+            group["lr"] = lr
+        t_step = time.perf_counter()
+        x = stream.next_batch()
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if tr["grad_clip"]:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tr["grad_clip"])
+        opt.step()
+        step += 1
+        last_loss = loss.item()
+        step_times.append(time.perf_counter() - t_step)
+        loss_ema = last_loss if loss_ema is None else 0.95 * loss_ema + 0.05 * last_loss
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_ema:.3f}", lr=f"{lr:.1e}")
+    bar.close()
+    train_seconds = time.perf_counter() - t_train
+
+    metrics = _evaluate(model, eval_ids, eval_mask, bs)
+
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = None
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+
+    import tokenizers
+    import transformers
+
+    vocab = config.vocab_size
+    return {
+        "spec": spec,
+        "arch": arch,
+        "model_class": type(model).__name__,
+        "parameters": n_params,
+        "vocab_size": vocab,
+        "tokenizer_size": len(tokenizer),
+        "uniform_loss": math.log(vocab),
+        **metrics,
+        "final_train_loss": last_loss,
+        "final_train_loss_ema": loss_ema,
+        "steps": step,
+        "tokens_seen": stream.tokens_seen,
+        "train_epochs_started": stream.epochs,
+        "train_conversations": len(train_convs),
+        "heldout_conversations": len(heldout_convs),
+        "corpus_sha256": corpus_fingerprint(train_convs + heldout_convs),
+        "train_seconds": train_seconds,
+        # p10 is a fair estimate of the uncontended step time when the machine is shared.
+        "step_seconds": _quantiles(step_times),
+        "tokenizer_seconds": t_tok - t_start,
+        "total_seconds": time.perf_counter() - t_start,
+        "weights_sha256": weights_sha256(tmp),
+        "environment": {
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+        },
+    }
+
+
+def _quantiles(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {}
+    xs = sorted(xs)
+    return {q: xs[min(len(xs) - 1, int(f * len(xs)))] for q, f in (("p10", 0.1), ("median", 0.5), ("p90", 0.9))}
+
+
+def _read_report(out_dir: Path) -> dict[str, Any] | None:
+    path = out_dir / REPORT_NAME
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def _check_cached(out_dir: Path, spec: dict[str, Any]) -> bool:
+    report = _read_report(out_dir)
+    if report is None:
+        return False
+    if report.get("spec") != spec:
+        raise ValueError(
+            f"{out_dir} holds a build of a different spec:\n  cached: {report.get('spec')}\n  wanted: {spec}"
+        )
+    return True
+
+
+def build_tiny_target(
+    out_dir: Path | str,
+    arch: str,
+    model: dict,
+    train: dict,
+    seed: int = 0,
+    *,
+    progress: bool = True,
+) -> Path:
+    """Build (or reuse) a trained tiny target in ``out_dir`` and return ``out_dir``.
+
+    A build is complete iff ``out_dir/build_report.json`` exists; it is written inside a temp
+    sibling directory which is renamed into place last, so a crashed build is never mistaken for
+    a complete one. A file lock at ``<out_dir>.lock`` serialises concurrent builders.
+    """
+    from filelock import FileLock
+
+    out_dir = Path(out_dir)
+    spec = _normalize_spec(arch, model, train, seed)
+    if _check_cached(out_dir, spec):
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out_dir) + ".lock"):
+        if _check_cached(out_dir, spec):
+            return out_dir
+        if out_dir.exists() and any(out_dir.iterdir()):
+            raise FileExistsError(f"{out_dir} exists, is not empty and has no {REPORT_NAME}; refusing to overwrite")
+        tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            threads = torch.get_num_threads()
+            try:
+                report = _train_and_save(tmp, spec, progress)
+            finally:
+                torch.set_num_threads(threads)
+            (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+            if out_dir.exists():
+                out_dir.rmdir()  # empty (checked above); rename cannot replace a non-empty dir
+            os.replace(tmp, out_dir)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def load_build_report(out_dir: Path | str) -> dict[str, Any]:
+    report = _read_report(Path(out_dir))
+    if report is None:
+        raise FileNotFoundError(f"no {REPORT_NAME} in {out_dir}")
+    return report

@@ -1,0 +1,189 @@
+"""Fast tests for the tiny target builder (tiny sizes, a few optimizer steps)."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from orchestrator.tiny import DEFAULT_SPECS, build_tiny_target, load_build_report, stdlib_conversations
+from orchestrator.tiny import build as build_mod
+from orchestrator.tiny.corpus import is_heldout
+
+FAST_TRAIN = {
+    "steps": 5,
+    "seq_len": 64,
+    "batch_size": 2,
+    "warmup_steps": 2,
+    "max_files": 16,
+    "tokenizer_vocab_size": 384,
+    "tokenizer_max_texts": 2000,
+    "eval_sequences": 4,
+}
+FAST_MODEL = {
+    "llama": {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 512},
+    "deepseek_v3": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+        "vocab_size": 512,
+    },
+}
+ARCHS = ("llama", "deepseek_v3")
+
+
+def fast_spec(arch: str) -> dict:
+    name = f"tiny_{arch}"
+    return {
+        "arch": arch,
+        "model": {**DEFAULT_SPECS[name]["model"], **FAST_MODEL[arch]},
+        "train": {**DEFAULT_SPECS[name]["train"], **FAST_TRAIN},
+    }
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: build_tiny_target(root / arch, **fast_spec(arch), seed=0, progress=False) for arch in ARCHS}
+
+
+def test_corpus_deterministic_and_split():
+    train_a, held_a = stdlib_conversations(seed=3, max_files=12)
+    train_b, held_b = stdlib_conversations(seed=3, max_files=12)
+    assert train_a == train_b and held_a == held_b
+    assert train_a and held_a
+    for conv in train_a + held_a:
+        assert [m["role"] for m in conv] in (["user", "assistant"], ["user", "assistant"] * 2)
+        for m in conv[1::2]:
+            assert m["content"].strip() and len(m["content"]) <= 1200 + 400
+    # The split is by file, so no file appears on both sides.
+    def files(convs):
+        return {c[0]["content"].split("`")[1] for c in convs}
+
+    assert not files(train_a) & files(held_a)
+    assert all(is_heldout(f) for f in files(held_a))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reload_and_report(built, arch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = built[arch]
+    report = load_build_report(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    expected = {"llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[arch]
+    assert type(model).__name__ == expected == report["model_class"]
+    assert model.dtype == torch.float32
+    assert not model.config.tie_word_embeddings
+    assert model.config.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|end|>")
+    assert tok.pad_token == "<|pad|>"
+    assert len(tok) <= model.config.vocab_size
+
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert logits.shape == (1, ids.shape[1], model.config.vocab_size)
+    assert torch.isfinite(logits).all()
+
+    assert report["uniform_loss"] == pytest.approx(math.log(model.config.vocab_size))
+    assert report["steps"] == FAST_TRAIN["steps"]
+    assert report["tokens_seen"] == 5 * 64 * 2
+    assert report["parameters"] == sum(p.numel() for p in model.parameters())
+    assert math.isfinite(report["heldout_loss"]) and 0 <= report["heldout_top1"] <= 1
+    assert report["weights_sha256"]["files"].keys() == {"model.safetensors"}
+    assert report["weights_sha256"] == build_mod.weights_sha256(out)
+
+
+def test_chat_template_assistant_mask(built):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(built["llama"])
+    conv = [
+        {"role": "user", "content": "Show `a.py`."},
+        {"role": "assistant", "content": "def f(x):\n    return x\n"},
+        {"role": "user", "content": "Continue."},
+        {"role": "assistant", "content": "\nclass A:\n    pass\n"},
+    ]
+    enc = tok.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = enc["input_ids"], enc["assistant_masks"]
+
+    # Special tokens split the text, so the sequence is the concatenation of the pieces.
+    def piece(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    special = {t: tok.convert_tokens_to_ids(t) for t in ("<|user|>", "<|assistant|>", "<|end|>")}
+    exp_ids, exp_mask = [], []
+    for m in conv:
+        body = piece(m["content"]) + [special["<|end|>"]]
+        exp_ids += [special[f"<|{m['role']}|>"]] + body
+        exp_mask += [0] + [int(m["role"] == "assistant")] * len(body)
+    assert ids == exp_ids
+    assert mask == exp_mask
+
+    prompt = tok.apply_chat_template(conv[:3], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|assistant|>")
+    prompt_ids = tok.apply_chat_template(conv[:3], tokenize=True, add_generation_prompt=True)
+    prompt_ids = prompt_ids["input_ids"] if not isinstance(prompt_ids, list) else prompt_ids
+    assert ids[: len(prompt_ids)] == prompt_ids
+    assert tok.decode(ids) == tok.apply_chat_template(conv, tokenize=False)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_deterministic_and_cached(built, arch, tmp_path):
+    first = load_build_report(built[arch])
+    again = build_tiny_target(tmp_path / "again", **fast_spec(arch), seed=0, progress=False)
+    assert load_build_report(again)["weights_sha256"] == first["weights_sha256"]
+
+    report_path = built[arch] / "build_report.json"
+    mtime = report_path.stat().st_mtime_ns
+    t0 = time.perf_counter()
+    assert build_tiny_target(built[arch], **fast_spec(arch), seed=0, progress=False) == built[arch]
+    assert time.perf_counter() - t0 < 1.0
+    assert report_path.stat().st_mtime_ns == mtime
+    assert build_mod.weights_sha256(built[arch]) == first["weights_sha256"]
+
+
+def test_other_seed_differs_and_spec_mismatch_raises(built, tmp_path):
+    spec = fast_spec("llama")
+    other = build_tiny_target(tmp_path / "seed1", **spec, seed=1, progress=False)
+    assert load_build_report(other)["weights_sha256"] != load_build_report(built["llama"])["weights_sha256"]
+    with pytest.raises(ValueError, match="different spec"):
+        build_tiny_target(built["llama"], **spec, seed=1, progress=False)
+
+
+def test_concurrent_builders_build_once(tmp_path, monkeypatch):
+    calls = []
+    real = build_mod._train_and_save
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(build_mod, "_train_and_save", counting)
+    out = tmp_path / "shared"
+    results, errors = [], []
+
+    def worker():
+        try:
+            results.append(build_tiny_target(out, **fast_spec("llama"), seed=0, progress=False))
+        except Exception as e:  # pragma: no cover - surfaced by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == [out, out]
+    assert len(calls) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shared", "shared.lock"]  # no temp dirs left
+    assert json.loads((out / "build_report.json").read_text())["steps"] == FAST_TRAIN["steps"]
