@@ -127,17 +127,18 @@ def draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path | None) ->
         category = "draft vocabulary" if ("d2t" in problem or "t2d" in problem) else (
             "hidden sizes" if "hidden_size" in problem else "draft config")
         out.append(Finding(category, False, f"{draft_dir}: {problem}", "re-export the draft with the train stage"))
-    if any(not f.ok for f in out):
-        return out
-    out.append(Finding("draft config", True, f"{draft_dir}: meets SGLang's draft rules"))
+    if not out:
+        out.append(Finding("draft config", True, f"{draft_dir}: meets SGLang's draft rules"))
     conf = read_json(draft_dir / "config.json", "draft config")
+    ids = (conf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not isinstance(ids, list):
+        return out  # already reported by the validator
     prov_path = draft_dir / draft_export.PROVENANCE
     if not prov_path.exists():
         out.append(Finding("layer ids", False, f"{draft_dir}: no {draft_export.PROVENANCE}, so the trained layers are unknown",
                            "train the draft with this orchestrator, or write its trained aux_layers there"))
         return out
     prov = read_json(prov_path, "draft provenance")
-    ids = conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     s = cfg.serve
     try:
         sglang_engine.check_layer_ids(cfg, ids, prov["aux_layers"], where=f"draft {draft_dir}")

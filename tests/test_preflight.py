@@ -37,7 +37,7 @@ def test_serve_layers_differing_from_trained_is_refused_before_any_job(tiny_conf
 
 
 def test_hidden_size_mismatch(tiny_config):
-    [finding] = failing(preflight.config_findings(tiny_config("draft.hidden_size=128")), "hidden sizes")
+    [finding] = failing(preflight.config_findings(tiny_config("draft.hidden_size=64")), "hidden sizes")
     assert "set draft.hidden_size to the target's" in finding.fix
 
 
