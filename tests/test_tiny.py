@@ -160,7 +160,7 @@ def test_other_seed_differs_and_spec_mismatch_raises(built, tmp_path):
         build_tiny_target(built["llama"], **spec, seed=1, progress=False)
 
 
-def test_concurrent_builders_build_once(tmp_path, monkeypatch):
+def test_concurrent_builders_build_once_and_clean_stale_temp(tmp_path, monkeypatch):
     calls = []
     real = build_mod._train_and_save
 
@@ -170,6 +170,7 @@ def test_concurrent_builders_build_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(build_mod, "_train_and_save", counting)
     out = tmp_path / "shared"
+    (tmp_path / ".shared.tmp-1-deadbeef").mkdir()  # left behind by a killed build
     results, errors = [], []
 
     def worker():

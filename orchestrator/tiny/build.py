@@ -465,6 +465,9 @@ def build_tiny_target(
             return out_dir
         if out_dir.exists() and any(out_dir.iterdir()):
             raise FileExistsError(f"{out_dir} exists, is not empty and has no {REPORT_NAME}; refusing to overwrite")
+        # Temp dirs are only created under the lock, so any left over belong to killed builds.
+        for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:

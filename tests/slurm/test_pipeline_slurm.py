@@ -132,7 +132,7 @@ def test_training_requeued_on_sigusr2_resumes_from_checkpoint(slurm_outputs):
     common = ["+experiment=tiny_eagle3", *SLURM_FAST, "cluster.wait=true"]
     proc = cli(slurm_outputs, *common, "train.max_steps=12", "stages=[extract]", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    long_train = ["stages=[extract,train]", "train.max_steps=60", "train.checkpoint_every=5", "train.resources.timeout_min=60"]
+    long_train = ["stages=[extract,train]", "train.max_steps=30", "train.checkpoint_every=5", "train.resources.timeout_min=60"]
     proc = cli(slurm_outputs, "+experiment=tiny_eagle3", *SLURM_FAST, *long_train)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = sorted(slurm_outputs.rglob("jobs.json"), key=lambda p: p.stat().st_mtime)[-1]
