@@ -90,8 +90,10 @@ def test_sweep_fans_out_then_is_cached_and_a_failing_point_is_isolated(slurm_out
     assert len(records) == 3
     job_ids = [j for r in records for j in r.values()]
     assert len(job_ids) == 6
-    queued = sacct_states(job_ids)
-    assert set(job_ids) <= set(queued), "every job of every point is queued when the command returns"
+    # Pending jobs reach sacct only once slurmdbd records them; squeue lists every queued job at once.
+    in_queue = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
+    queued = set(in_queue) | set(sacct_states(job_ids))
+    assert set(job_ids) <= queued, "every job of every point is queued when the command returns"
     print(f"3-point sweep: {len(job_ids)} jobs queued in {submit_seconds:.1f} s")
     states = wait_terminal(job_ids)
     assert set(states.values()) == {"COMPLETED"}, states
