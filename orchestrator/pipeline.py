@@ -54,16 +54,11 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     )
     keys["train"] = stable_hash(
         {"extract": keys["extract"], "draft": _subtree(cfg, "draft"), "train": _subtree(cfg, "train"),
-         "serve_ids": serve_ids(cfg, cfg.train.layers), "code": CODE_VERSION["train"]}
+         "serve_ids": preflight.serve_ids(cfg, cfg.train.layers), "code": CODE_VERSION["train"]}
     )
     keys["eval"] = stable_hash({"train": keys["train"], "eval": _subtree(cfg, "eval"), "code": CODE_VERSION["eval"]})
     keys["serve"] = stable_hash({"train": keys["train"], "serve": _subtree(cfg, "serve"), "code": CODE_VERSION["serve"]})
     return keys
-
-
-def serve_ids(cfg: RootConfig, layers: list[int]) -> list[int]:
-    t, s = cfg.target, cfg.serve
-    return layer_contract.to_engine_ids(s.engine, layers, t.num_hidden_layers, t.family, s.sglang_version)
 
 
 def stage_layer_ids(cfg: RootConfig, stage: str) -> dict[str, Any]:
@@ -89,9 +84,9 @@ def stage_layer_ids(cfg: RootConfig, stage: str) -> dict[str, Any]:
         return {
             "convention": "draft config ids, read as serving reads them",
             "engine": engine,
-            "eagle_aux_hidden_state_layer_ids": serve_ids(cfg, cfg.eval.layers),
+            "eagle_aux_hidden_state_layer_ids": preflight.serve_ids(cfg, cfg.eval.layers),
         }
-    ids = serve_ids(cfg, cfg.serve.layers)
+    ids = preflight.serve_ids(cfg, cfg.serve.layers)
     return {
         "convention": engine,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},

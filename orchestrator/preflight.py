@@ -39,7 +39,8 @@ class PreflightError(ValueError):
         super().__init__("preflight found train/serve mismatches:\n  - " + "\n  - ".join(str(f) for f in findings))
 
 
-def _serve_ids(cfg: RootConfig, layers: list[int]) -> list[int]:
+def serve_ids(cfg: RootConfig, layers: list[int]) -> list[int]:
+    """The draft-config ids that make the configured serving engine capture canonical `layers`."""
     t, s = cfg.target, cfg.serve
     return layer_contract.to_engine_ids(s.engine, layers, t.num_hidden_layers, t.family, s.sglang_version)
 
@@ -50,13 +51,13 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
     n = t.num_hidden_layers
     rule = f"{s.engine} / {t.family} / sglang {s.sglang_version}"
     try:
-        ids = _serve_ids(cfg, list(cfg.aux_layers))
+        ids = serve_ids(cfg, list(cfg.aux_layers))
         out.append(Finding("layer ids", True, f"aux_layers={cfg.aux_layers} -> draft config ids {ids} ({rule})"))
     except layer_contract.LayerContractError as exc:
         out.append(Finding("layer ids", False, str(exc), "choose aux_layers the serving engine can capture"))
     if list(s.layers) != list(cfg.aux_layers):
         try:
-            captured = layer_contract.from_engine_ids(s.engine, _serve_ids(cfg, list(s.layers)), n, t.family, s.sglang_version)
+            captured = layer_contract.from_engine_ids(s.engine, serve_ids(cfg, list(s.layers)), n, t.family, s.sglang_version)
         except layer_contract.LayerContractError:
             captured = layer_contract.from_engine_ids(s.engine, list(s.layers), n, t.family, s.sglang_version)
         out.append(Finding(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +98,3 @@ def render_sbatch(cluster: ClusterConfig, folder: Path, name: str, resources: Re
     """The sbatch file submitit would write for a stage (for dry runs and golden tests)."""
     ex = executor(cluster, folder, name, resources, dependency)
     return ex._make_submission_file_text(f"python -u -m submitit.core._submit {folder}", "UID")
-
-
-def resources_dict(resources: Resources) -> dict[str, Any]:
-    return asdict(resources)

@@ -113,10 +113,10 @@ class Engine:
                 h = self.draft.extend(capture.aux()[:, : accepted + 1], torch.tensor([new]), last + 1, dcache)
                 last += accepted + 1
                 token = new[-1]
-                for t in new:
+                for t in new:  # stop at eos or the token budget, whichever the new tokens reach first
                     out.append(t)
-                    if len(out) >= max_new or t == self.eos:
-                        token = self.eos if t == self.eos else token
+                    if t == self.eos:
+                        token = t
                         break
         return out[:max_new], verify, histogram
 
