@@ -67,12 +67,25 @@ class TargetConfig:
 
 
 @dataclass
+class RegenerateConfig:
+    """Replace the assistant turns by the target's own responses to the same prompts (SpecForge's
+    regeneration), so the draft learns the text the target produces when served, not the data set's."""
+
+    enabled: bool = False
+    max_new_tokens: int = 128
+    # 0: greedy, what the serve stage benchmarks; > 0 samples (seeded).
+    temperature: float = 0.0
+    batch_size: int = 64
+
+
+@dataclass
 class DataConfig:
     name: str = "stdlib_chat"
     max_files: Optional[int] = None
     max_train_conversations: int = 2000
     max_val_conversations: int = 200
     max_seq_len: int = 512
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
 
 @dataclass
@@ -264,6 +277,10 @@ def validate(cfg: RootConfig) -> None:
         layer_contract.validate_canonical(captured_layers(cfg), t.num_hidden_layers, key="extract.extra_layers")
     except layer_contract.LayerContractError as exc:
         raise ConfigError(str(exc)) from None
+    r = cfg.data.regenerate
+    check(r.max_new_tokens >= 1, f"data.regenerate.max_new_tokens={r.max_new_tokens}: expected >= 1")
+    check(r.temperature >= 0, f"data.regenerate.temperature={r.temperature}: expected >= 0 (0 = greedy)")
+    check(r.batch_size >= 1, f"data.regenerate.batch_size={r.batch_size}: expected >= 1")
     check(cfg.extract.teacher in layer_contract.TEACHER_KINDS, f"extract.teacher={cfg.extract.teacher!r}: expected one of {layer_contract.TEACHER_KINDS}")
     check(cfg.extract.dtype in DTYPES, f"extract.dtype={cfg.extract.dtype!r}: expected one of {DTYPES}")
     check(cfg.draft.torch_dtype in DTYPES, f"draft.torch_dtype={cfg.draft.torch_dtype!r}: expected one of {DTYPES}")

@@ -42,6 +42,28 @@ def test_unrolled_chain_equals_cached_serving_chain():
 
 
 @torch.no_grad()
+def test_teacher_forcing_feeds_the_token_serving_would():
+    """TTT step k+1 consumes token t+k+2 (the one step k predicts), never the token it must predict: on a text
+    that follows the draft's own chain from a position, teacher-forced drafting equals own-token drafting."""
+    from orchestrator.stages.train import Batch, ttt_step_targets
+
+    draft = make_draft()
+    length, steps = 16, 4
+    aux = torch.randn(1, length, 3 * 32)
+    ids = torch.randint(0, 50, (1, length))
+    valid = torch.ones(1, length - 1, dtype=torch.bool)
+    own = draft.unroll(aux[:, :-1], ids[:, 1:], valid, steps)
+    chains = [[int(own.tokens[k][0, t]) for k in range(steps)] for t in range(length - steps - 1)]
+    # a position whose chain changes token from one step to the next, so feeding the wrong one shows
+    t = next(t for t, c in enumerate(chains) if any(a != b for a, b in zip(c, c[1:])))
+    ids[0, t + 2 : t + steps + 1] = torch.tensor(chains[t][:-1])  # later positions only: t's chain is unchanged
+    batch = Batch(ids, torch.ones(1, length, dtype=torch.bool), torch.tensor([length]), aux, torch.zeros(1, length, 32))
+    targets = ttt_step_targets(batch, torch.zeros(1, length, 50), steps)
+    forced = draft.unroll(aux[:, :-1], ids[:, 1:], valid, steps, token_source=lambda k, _t: targets[k + 1][2])
+    assert [int(forced.tokens[k][0, t]) for k in range(steps)] == chains[t]
+
+
+@torch.no_grad()
 def test_extend_in_pieces_equals_extend_at_once():
     draft = make_draft()
     aux, ids = torch.randn(1, 9, 96), torch.randint(0, 50, (1, 9))

@@ -22,7 +22,7 @@ from orchestrator import layers as layer_contract
 from orchestrator.artifacts import write_json, write_manifest
 from orchestrator.capture import HiddenStateCapture
 from orchestrator.config import RootConfig
-from orchestrator.data import conversations, prompt_ids, render
+from orchestrator.data import conversations, prompt_ids, sequences
 from orchestrator.draft import export as draft_export
 from orchestrator.targets import load_target
 
@@ -169,17 +169,23 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
         result |= {"acc_0": 0.0, "expected_accept_length": 1.0, "mismatch": True, "mismatch_flags": flags}
     else:
         _, val_convs = conversations(cfg.data, cfg.seed)
-        rendered = [render(tokenizer, c, cfg.data.max_seq_len) for c in val_convs[: cfg.eval.max_conversations]]
+        # The validation sequences training saw (the target's own responses when data.regenerate is on),
+        # produced here by the live target.
+        rendered = sequences(model, tokenizer, val_convs[: cfg.eval.max_conversations], cfg.data, "val", cfg.seed)
         acc = text_accuracy(model, draft, layers, rendered, min(steps, trained_steps) if trained_steps else steps)
         prompts = [prompt_ids(tokenizer, c, cfg.data.max_seq_len) for c in val_convs[: cfg.eval.prompts]]
         greedy = greedy_accept_length(model, tokenizer, draft, layers, prompts, steps, cfg.eval.max_new_tokens)
         val = prov.get("val_metrics", {})
-        gap = val.get("acc_0", acc["acc_0"]) - acc["acc_0"]
-        result |= acc | greedy | {"train_val_acc_0": val.get("acc_0"), "acc_0_gap": gap}
-        if gap > cfg.eval.acc_tolerance:
+        # Training validates with the draft's own tokens too, so every position is comparable, not only 0.
+        gaps = {k: val[f"acc_{k}"] - acc[f"acc_{k}"] for k in range(steps) if f"acc_{k}" in val and f"acc_{k}" in acc}
+        result |= acc | greedy | {"train_val_acc_0": val.get("acc_0"), "acc_0_gap": gaps.get(0, 0.0),
+                                  "train_val_acc": [val.get(f"acc_{k}") for k in range(steps)],
+                                  "max_acc_gap": max(gaps.values(), default=0.0)}
+        worst = max(gaps, key=gaps.get) if gaps else None
+        if worst is not None and gaps[worst] > cfg.eval.acc_tolerance:
             flags.append(
-                f"eval: standalone acc_0={acc['acc_0']:.3f} is {gap:.3f} below training's validation acc_0="
-                f"{val.get('acc_0'):.3f} (tolerance eval.acc_tolerance={cfg.eval.acc_tolerance}): train/serve mismatch. Likely causes: "
+                f"eval: standalone acc_{worst}={acc[f'acc_{worst}']:.3f} is {gaps[worst]:.3f} below training's validation "
+                f"acc_{worst}={val[f'acc_{worst}']:.3f} (tolerance eval.acc_tolerance={cfg.eval.acc_tolerance}): train/serve mismatch. Likely causes: "
                 + "; ".join(mismatch_causes(cfg, prov, layers, tokenizer_hash(Path(plan.target_dir))))
             )
         elif layers != prov.get("aux_layers"):

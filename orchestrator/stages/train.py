@@ -99,7 +99,10 @@ class TeacherHead(torch.nn.Module):
 
 
 def ttt_step_targets(batch: Batch, teacher_logits: torch.Tensor, steps: int):
-    """Per TTT step k: (teacher logits at t+k+1, loss mask, teacher-forced token t+k+2), over t in 0..L-2."""
+    """Per TTT step k: (teacher logits at t+k+1, loss mask, token t+k+1), over t in 0..L-2.
+
+    Step k at t predicts the target's distribution at t+k+1 (the token t+k+2) from the embedding of token
+    t+k+1: the text's token under teacher forcing, the draft's own step k-1 token when served."""
     width = batch.ids.shape[1]
     length = width - 1
     t = torch.arange(length)
@@ -110,18 +113,21 @@ def ttt_step_targets(batch: Batch, teacher_logits: torch.Tensor, steps: int):
         pos_c = pos.clamp(max=width - 1)
         logits = teacher_logits[:, pos_c]
         mask = inside & batch.loss_mask[:, pos_c]
-        forced = batch.ids[:, (t + k + 2).clamp(max=width - 1)]
+        forced = batch.ids[:, (t + k + 1).clamp(max=width - 1)]
         out.append((logits, mask, forced))
     return out
 
 
-def ttt_forward(draft: Eagle3Draft, head: TeacherHead, batch: Batch, steps: int, kept: torch.Tensor, weights: list[float]):
-    """Loss and per-step accuracy counts of one batch under teacher forcing."""
+def ttt_forward(draft: Eagle3Draft, head: TeacherHead, batch: Batch, steps: int, kept: torch.Tensor, weights: list[float],
+                own_tokens: bool = False):
+    """Loss and per-step accuracy counts of one batch: steps k >= 1 consume the text's tokens (teacher forcing,
+    for training) or, with `own_tokens`, the draft's own previous tokens as a serving engine does (validation)."""
     with torch.no_grad():
         teacher_logits = head(batch.teacher)
     targets = ttt_step_targets(batch, teacher_logits, steps)
     valid = torch.arange(batch.ids.shape[1] - 1)[None, :] < (batch.lengths[:, None] - 1)
-    unrolled = draft.unroll(batch.aux[:, :-1], batch.ids[:, 1:], valid, steps, token_source=lambda k, _tokens: targets[k + 1][2])
+    source = None if own_tokens else (lambda k, _tokens: targets[k + 1][2])
+    unrolled = draft.unroll(batch.aux[:, :-1], batch.ids[:, 1:], valid, steps, token_source=source)
     loss = torch.zeros(())
     stats = {"correct": [], "all_correct": [], "count": []}
     chain_ok = None
@@ -166,11 +172,13 @@ def batches_for_step(n: int, batch_size: int, seed: int, step: int) -> list[int]
 
 
 def evaluate(draft, head, seqs, steps, kept, weights, batch_size, draft_steps) -> dict[str, float]:
+    """Validation metrics of the draft run as served (its own tokens feed later steps), so that the standalone
+    eval's per-position accuracies are the same quantities."""
     draft.eval()
     stats, losses = [], []
     with torch.no_grad():
         for i in range(0, len(seqs), batch_size):
-            loss, s = ttt_forward(draft, head, collate(seqs[i : i + batch_size]), steps, kept, weights)
+            loss, s = ttt_forward(draft, head, collate(seqs[i : i + batch_size]), steps, kept, weights, own_tokens=True)
             stats.append(s)
             losses.append(float(loss))
     draft.train()
