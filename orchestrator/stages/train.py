@@ -271,7 +271,7 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
         bar.update(1)
         if step % tc.log_every == 0 or step == total:
             elapsed = time.time() - window_started
-            metrics = {"loss": float(loss), "lr": optim.param_groups[0]["lr"], "tokens_per_s": tokens / max(elapsed, 1e-9)}
+            metrics = {"loss": float(loss.detach()), "lr": optim.param_groups[0]["lr"], "tokens_per_s": tokens / max(elapsed, 1e-9)}
             metrics |= {k: v for k, v in summarize([stats], steps, draft_steps).items() if k.startswith("acc_")}
             tracker.metrics(metrics, step=step, prefix="train/")
             bar.set_postfix(loss=f"{float(loss):.3f}", acc0=f"{metrics['acc_0']:.2f}")
