@@ -8,6 +8,8 @@ the union with every point's training reading its subset. Prints both wall times
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import tempfile
 import time
@@ -31,6 +33,9 @@ def config(outputs: Path, *overrides: str):
 
 def main(extra: list[str]) -> None:
     outputs = Path(tempfile.mkdtemp(prefix="bench_union_"))
+    built = Path(os.environ.get("EAGLE_ORCH_OUTPUTS", "outputs")) / "cache" / "targets"
+    if built.exists():  # reuse a tiny target built before (the demo's); extraction itself starts from nothing
+        shutil.copytree(built, outputs / "cache" / "targets", ignore=shutil.ignore_patterns("*.lock"))
     ensure_target(config(outputs, *extra))  # the target is shared by both ways; build it outside the timing
     started = time.perf_counter()
     for i, layers in enumerate(POINTS):
