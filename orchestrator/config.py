@@ -170,6 +170,9 @@ class ServeConfig:
     prompts: int = 16
     max_new_tokens: int = 64
     concurrency: list[int] = field(default_factory=lambda: [1])
+    # Passes over the prompt set per concurrency level; tok/s is the median pass (timing noise), and every
+    # pass must produce the same greedy outputs.
+    repeats: int = 1
     startup_timeout_s: float = 120.0
     request_timeout_s: float = 120.0
     accept_length_tolerance: float = 0.10
@@ -291,6 +294,9 @@ def validate(cfg: RootConfig) -> None:
     check(vd is None or 0 < vd <= t.vocab_size, f"draft.draft_vocab_size={vd}: expected 1..target.vocab_size={t.vocab_size} or null")
     s = cfg.serve
     check(s.num_steps >= 1, f"serve.num_steps={s.num_steps}: expected >= 1")
+    check(s.repeats >= 1, f"serve.repeats={s.repeats}: expected >= 1")
+    check(s.prompts >= 1 and s.max_new_tokens >= 1, f"serve.prompts={s.prompts}, serve.max_new_tokens={s.max_new_tokens}: expected >= 1 each")
+    check(bool(s.concurrency) and min(s.concurrency) >= 1, f"serve.concurrency={s.concurrency}: expected a non-empty list of levels >= 1")
     check(s.eagle_topk >= 1, f"serve.eagle_topk={s.eagle_topk}: expected >= 1")
     if s.eagle_topk == 1:
         check(
