@@ -58,6 +58,10 @@ def test_stage_configs_do_not_repeat_the_layer_list():
         ("serve.engine=vllm", "serve.engine"),
         ("stages=[train]", "prefix"),
         ("extract.teacher=logits", "extract.teacher"),
+        ("serve.repeats=0", "serve.repeats"),
+        ("serve.concurrency=[]", "serve.concurrency"),
+        ("data.regenerate.temperature=-1", "data.regenerate.temperature"),
+        ("data.regenerate.max_new_tokens=0", "data.regenerate.max_new_tokens"),
     ],
 )
 def test_bad_config_names_the_key(override, fragment):

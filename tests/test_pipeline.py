@@ -38,13 +38,16 @@ def test_extract_then_reuse(tiny_config, tmp_path):
 
 
 def test_full_pipeline(tiny_config, tmp_path):
-    cfg = tiny_config("cluster=local")
+    cfg = tiny_config("cluster=local", "serve.repeats=3")
     summary = run_pipeline(cfg, tmp_path / "run")
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["mlflow_run_id"] == summary["mlflow_run_id"]
     train, ev, serve = (summary["stages"][s] for s in ("train", "eval", "serve"))
     assert 0.0 <= train["val_acc_0"] <= 1.0
     assert abs(ev["acc_0"] - train["val_acc_0"]) <= 0.03, (ev["acc_0"], train["val_acc_0"])
     assert serve["greedy_outputs_identical"] is True
+    row = serve["per_concurrency"][0]
+    assert len(row["baseline_tok_s_passes"]) == len(row["spec_tok_s_passes"]) == 3
+    assert row["baseline_tok_s"] == sorted(row["baseline_tok_s_passes"])[1], "tok/s is the median pass"
     assert serve["accept_length"] >= 1.0
     assert abs(serve["accept_length"] - ev["expected_accept_length"]) / ev["expected_accept_length"] <= 0.10
     assert summary["mismatch_flags"] == []
