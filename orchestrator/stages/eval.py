@@ -136,6 +136,13 @@ def mismatch_causes(cfg: RootConfig, prov: dict[str, Any], layers: list[int], ta
         )
     if target_tok_hash and prov.get("tokenizer_hash") != target_tok_hash:
         causes.append("the target's tokenizer/chat template differs from the one used at extraction")
+    trained_regen = (prov.get("data") or {}).get("regenerate", {}).get("enabled")
+    if trained_regen is not None and trained_regen != cfg.data.regenerate.enabled:
+        kind = {True: "the target's regenerated responses", False: "the data set's responses"}
+        causes.append(
+            f"the draft was trained on {kind[trained_regen]} but this eval uses {kind[cfg.data.regenerate.enabled]} "
+            "(data.regenerate.enabled): different texts, different accuracies"
+        )
     if not causes:
         causes.append(
             "no layer or tokenizer difference found; check the teacher kind (pre/post norm), the draft vocabulary "

@@ -30,6 +30,8 @@ from orchestrator.config import RootConfig, captured_layers
 from orchestrator.data import Rendered, conversations, sequences
 from orchestrator.targets import ensure_target, identity, load_target
 
+# Regenerated responses shorter than this on average (tokens) get a warning: a target that stops at once.
+MIN_RESPONSE_TOKENS = 4
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CONVENTIONS = {
     "shift": "none: position t holds the states computed at token t; training pairs states at t with token t+1 "
@@ -80,6 +82,7 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
             "num_tokens": sum(s["num_tokens"] for s in shards),
             "num_sequences": sum(s["num_sequences"] for s in shards),
             "num_loss_tokens": sum(sum(r.loss_mask) for r in rendered),
+            "loss_tokens_per_sequence": sum(sum(r.loss_mask) for r in rendered) / max(len(rendered), 1),
         }
 
     counts = torch.zeros(target.vocab_size, dtype=torch.int64)
@@ -89,6 +92,13 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
     with atomic_path(out / "token_freq.safetensors") as tmp:
         save_file({"counts": counts}, str(tmp))
 
+    per_seq = splits["train"]["loss_tokens_per_sequence"]
+    if cfg.data.regenerate.enabled and per_seq < MIN_RESPONSE_TOKENS:
+        print(
+            f"[extract] WARNING: the target's regenerated responses average {per_seq:.1f} tokens (under "
+            f"{MIN_RESPONSE_TOKENS}): it ends its answers at once, so the draft has little to learn from. Check the target "
+            "and its chat template, or train on the data set's responses (data.regenerate.enabled=false)."
+        )
     seconds = time.time() - started
     total_tokens = splits["train"]["num_tokens"] + splits["val"]["num_tokens"]
     total_bytes = sum(s["bytes"] for sp in splits.values() for s in sp["shards"])
@@ -97,6 +107,7 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
         "tokens_extracted_now": tokens_done,
         "tokens_per_s": tokens_done / seconds if tokens_done else 0.0,
         "bytes_per_token": total_bytes / max(total_tokens, 1),
+        "loss_tokens_per_sequence": per_seq,
         "output": str(out),
     }
     result["headline"] = {k: result[k] for k in ("tokens", "tokens_per_s", "bytes_per_token")}

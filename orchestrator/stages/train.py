@@ -307,6 +307,8 @@ def export_draft(cfg: RootConfig, plan, draft: Eagle3Draft, manifest: dict, targ
         "target": manifest["target"],
         "tokenizer_hash": manifest["tokenizer_hash"],
         "teacher": manifest["teacher"],
+        # what the draft learned from: the data set's responses or the target's own (data.regenerate)
+        "data": manifest.get("data"),
         "extract_key": manifest["key"],
         "train_key": plan.stage_keys["train"],
         "val_metrics": final,
