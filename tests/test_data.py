@@ -43,3 +43,14 @@ def test_eval_names_a_draft_trained_on_other_responses(tiny_config):
         "(data.regenerate.enabled): different texts, different accuracies"
     ]
     assert "no layer or tokenizer difference" in mismatch_causes(tiny_config(), prov, [1, 4, 6], None)[0]
+
+
+def test_sampled_regeneration_is_seeded(tiny_config):
+    cfg = tiny_config("data.regenerate.max_new_tokens=12", "data.regenerate.temperature=1.0")
+    model, tokenizer = load_target(ensure_target(cfg, progress=False))
+    _, val = conversations(cfg.data, cfg.seed)
+    first, again, other = (
+        [r.input_ids for r in sequences(model, tokenizer, val[:4], cfg.data, "val", seed)] for seed in (0, 0, 1)
+    )
+    assert first == again, "the same seed samples the same responses"
+    assert first != other, "another seed samples other responses"
