@@ -13,14 +13,13 @@ EAGLE shift. Resumable at shard granularity: a shard with its .json is done and 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from orchestrator import layers as layer_contract
@@ -137,16 +136,28 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
 
 
 def _sequences(model, tokenizer, convs, split: str, out: Path, cfg: RootConfig) -> list[Rendered]:
-    """The split's token sequences (see `data.sequences`); regenerated ones are kept in `<split>/regenerated.json`
-    so a restarted extraction does not generate them again."""
+    """The split's token sequences (see `data.sequences`). Regenerated ones are kept in
+    `<split>/regenerated.safetensors` (input_ids int32[T], seq_lens and response_lens int32[n]), so a restarted
+    extraction does not generate them again."""
     if not cfg.data.regenerate.enabled:
         return sequences(model, tokenizer, convs, cfg.data, split, cfg.seed)
-    path = out / split / "regenerated.json"
+    path = out / split / "regenerated.safetensors"
     if path.exists():
-        return [Rendered(**r) for r in read_json(path, "regenerated sequences")["sequences"]]
+        kept = load_file(str(path))
+        offsets = [0] + torch.cumsum(kept["seq_lens"].long(), 0).tolist()
+        rendered = []
+        for a, b, n in zip(offsets[:-1], offsets[1:], kept["response_lens"].tolist()):
+            ids = kept["input_ids"][a:b].tolist()
+            rendered.append(Rendered(ids, [0] * (len(ids) - n) + [1] * n))
+        return rendered
     rendered = sequences(model, tokenizer, convs, cfg.data, split, cfg.seed)
+    tensors = {
+        "input_ids": torch.tensor([t for r in rendered for t in r.input_ids], dtype=torch.int32),
+        "seq_lens": torch.tensor([len(r.input_ids) for r in rendered], dtype=torch.int32),
+        "response_lens": torch.tensor([sum(r.loss_mask) for r in rendered], dtype=torch.int32),
+    }
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps({"sequences": [asdict(r) for r in rendered]}, separators=(",", ":")))
+        save_file(tensors, str(tmp))
     return rendered
 
 
