@@ -93,3 +93,15 @@ def test_eval_flags_draft_ids_changed_to_other_layers(trained, tmp_path):
     assert any("trained on aux_layers=[1, 4, 6]" in f for f in result["mismatch_flags"]), result["mismatch_flags"]
     run = tracker.client.get_run(tracker.run_id)
     assert run.data.tags["eval.mismatch"] == "true" and run.data.metrics["eval/mismatch"] == 1.0
+
+
+def test_accuracy_gap_must_exceed_tolerance_and_sampling_noise():
+    from orchestrator.stages.eval import significant_gaps
+
+    few = {"acc_0": 0.5, "positions_0": 16, "acc_1": 0.5, "positions_1": 16}
+    gaps, noise = significant_gaps({0: 0.125, 1: 0.4}, few, 0.03)
+    assert noise[0] == pytest.approx(0.25)  # 2 * sqrt(0.25 / 16)
+    assert gaps == {1: 0.4}, "a 0.125 gap over 16 positions is noise; 0.4 is not"
+    many = {"acc_0": 0.5, "positions_0": 40000}
+    assert significant_gaps({0: 0.02}, many, 0.03)[0] == {}, "below the tolerance"
+    assert significant_gaps({0: 0.05}, many, 0.03)[0] == {0: 0.05}

@@ -13,6 +13,7 @@ and the draft consumes its own tokens. Two measurements:
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +64,9 @@ def text_accuracy(model, draft, layers: list[int], rendered, steps: int) -> dict
                 correct[k] += (right & mask).sum()
                 all_correct[k] += (chain & mask).sum()
             capture.clear()
+    out = {f"positions_{k}": int(counts[k]) for k in range(steps)}
     counts = counts.clamp(min=1)
-    out = {f"acc_{k}": float(correct[k] / counts[k]) for k in range(steps)}
+    out |= {f"acc_{k}": float(correct[k] / counts[k]) for k in range(steps)}
     out |= {f"full_acc_{k}": float(all_correct[k] / counts[k]) for k in range(steps)}
     return out
 
@@ -124,6 +126,17 @@ def greedy_accept_length(model, tokenizer, draft, layers: list[int], prompts: li
         "accept_rate_by_position": [reached[k + 1] / reached[k] if reached[k] else 0.0 for k in range(steps)],
         "mean_accepted_per_cycle": sum(i * h for i, h in enumerate(histogram)) / cycles,
     }
+
+
+def significant_gaps(gaps: dict[int, float], acc: dict[str, float], tolerance: float) -> tuple[dict[int, float], dict[int, float]]:
+    """The per-position gaps (training's acc_k minus the standalone acc_k) beyond both the tolerance and the
+    sampling noise of the standalone estimate (2 standard errors over its positions), and that noise: a handful
+    of held-out positions cannot raise a false alarm."""
+    noise = {}
+    for k in gaps:
+        p, n = acc[f"acc_{k}"], max(acc.get(f"positions_{k}", 0), 1)
+        noise[k] = 2 * math.sqrt(max(p * (1 - p), 1e-4) / n)
+    return {k: g for k, g in gaps.items() if g > max(tolerance, noise[k])}, noise
 
 
 def mismatch_causes(cfg: RootConfig, prov: dict[str, Any], layers: list[int], target_tok_hash: str | None) -> list[str]:
@@ -188,11 +201,14 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
         result |= acc | greedy | {"train_val_acc_0": val.get("acc_0"), "acc_0_gap": gaps.get(0, 0.0),
                                   "train_val_acc": [val.get(f"acc_{k}") for k in range(steps)],
                                   "max_acc_gap": max(gaps.values(), default=0.0)}
-        worst = max(gaps, key=gaps.get) if gaps else None
-        if worst is not None and gaps[worst] > cfg.eval.acc_tolerance:
+        significant, noise = significant_gaps(gaps, acc, cfg.eval.acc_tolerance)
+        result["acc_gap_noise"] = [noise[k] for k in sorted(noise)]
+        worst = max(significant, key=significant.get) if significant else None
+        if worst is not None:
             flags.append(
                 f"eval: standalone acc_{worst}={acc[f'acc_{worst}']:.3f} is {gaps[worst]:.3f} below training's validation "
-                f"acc_{worst}={val[f'acc_{worst}']:.3f} (tolerance eval.acc_tolerance={cfg.eval.acc_tolerance}): train/serve mismatch. Likely causes: "
+                f"acc_{worst}={val[f'acc_{worst}']:.3f} (tolerance eval.acc_tolerance={cfg.eval.acc_tolerance}, sampling noise "
+                f"{noise[worst]:.3f} over {acc[f'positions_{worst}']} positions): train/serve mismatch. Likely causes: "
                 + "; ".join(mismatch_causes(cfg, prov, layers, tokenizer_hash(Path(plan.target_dir))))
             )
         elif layers != prov.get("aux_layers"):
