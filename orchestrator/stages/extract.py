@@ -50,9 +50,11 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
     layers = list(layer_contract.validate_canonical(captured_layers(cfg), n))
 
     started = time.time()
-    splits, tokens_done, bytes_done, all_rendered = {}, 0, 0, {}
+    splits, tokens_done, bytes_done, all_rendered, regenerate_s = {}, 0, 0, {}, 0.0
     for split, convs in (("train", train_convs), ("val", val_convs)):
+        begin = time.time()
         rendered = all_rendered[split] = _sequences(model, tokenizer, convs, split, out, cfg)
+        regenerate_s += time.time() - begin if cfg.data.regenerate.enabled else 0.0
         shards = []
         size = cfg.extract.shard_conversations
         chunks = [rendered[i : i + size] for i in range(0, len(rendered), size)]
@@ -104,7 +106,9 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
     result = {
         "tokens": total_tokens,
         "tokens_extracted_now": tokens_done,
-        "tokens_per_s": tokens_done / seconds if tokens_done else 0.0,
+        # hidden-state extraction alone; the target's own responses took `regenerate_s` before it
+        "tokens_per_s": tokens_done / max(seconds - regenerate_s, 1e-9) if tokens_done else 0.0,
+        "regenerate_s": regenerate_s,
         "bytes_per_token": total_bytes / max(total_tokens, 1),
         "loss_tokens_per_sequence": per_seq,
         "output": str(out),
