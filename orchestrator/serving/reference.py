@@ -23,9 +23,9 @@ import json
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from concurrent.futures import Future
 from typing import Any
 
 import torch

@@ -78,12 +78,13 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
                 tokens_done += record["num_tokens"]
                 bytes_done += record["bytes"]
             shards.append(record)
+        loss_tokens = sum(sum(r.loss_mask) for r in rendered)
         splits[split] = {
             "shards": shards,
             "num_tokens": sum(s["num_tokens"] for s in shards),
             "num_sequences": sum(s["num_sequences"] for s in shards),
-            "num_loss_tokens": sum(sum(r.loss_mask) for r in rendered),
-            "loss_tokens_per_sequence": sum(sum(r.loss_mask) for r in rendered) / max(len(rendered), 1),
+            "num_loss_tokens": loss_tokens,
+            "loss_tokens_per_sequence": loss_tokens / max(len(rendered), 1),
         }
 
     counts = torch.zeros(target.vocab_size, dtype=torch.int64)

@@ -80,7 +80,7 @@ def _median_pass(server, prompts: list[list[int]], concurrency: int, s) -> dict[
     """`serve.repeats` passes over the prompt set; the median pass by tok/s, with every pass's tok/s."""
     passes = [client.benchmark(server, prompts, s.max_new_tokens, concurrency, s.request_timeout_s) for _ in range(s.repeats)]
     if any(p["output_ids"] != passes[0]["output_ids"] for p in passes):
-        raise client.ServerError(f"greedy outputs differ between passes at concurrency {concurrency}: the server is not deterministic")
+        raise server.fail(f"greedy outputs differ between passes at concurrency {concurrency}: the server is not deterministic")
     median = sorted(passes, key=lambda p: p["output_tok_s"])[len(passes) // 2]
     return median | {"output_tok_s_passes": [p["output_tok_s"] for p in passes]}
 

@@ -274,7 +274,7 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
             metrics = {"loss": float(loss.detach()), "lr": optim.param_groups[0]["lr"], "tokens_per_s": tokens / max(elapsed, 1e-9)}
             metrics |= {k: v for k, v in summarize([stats], steps, draft_steps).items() if k.startswith("acc_")}
             tracker.metrics(metrics, step=step, prefix="train/")
-            bar.set_postfix(loss=f"{float(loss):.3f}", acc0=f"{metrics['acc_0']:.2f}")
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc_0']:.2f}")
             tokens, window_started = 0, time.time()
         if step % tc.val_every == 0 or step == total:
             val = evaluate(draft, head, val_seqs, steps, kept, weights, tc.batch_size, draft_steps)
