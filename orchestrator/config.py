@@ -1,19 +1,20 @@
 """Typed schema of the composed config, and its validation.
 
-The Hydra tree under `conf/` holds values only; this module holds the types. `load()` merges a composed config
-into the schema (unknown keys and wrong types fail there, naming the key), resolves the `${aux_layers}`
+The Hydra tree under `conf/` is the only place values live; this module holds the types and no defaults (every
+field is MISSING, so a key the YAML leaves out fails at load, naming it). `load()` merges a composed config into
+the schema (missing keys, unknown keys and wrong types fail there, naming the key), resolves the `${aux_layers}`
 interpolations, and runs the cross-field checks that no type can express. Everything downstream receives a
 `RootConfig` object, never a DictConfig.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from orchestrator import layers as layer_contract
 
@@ -32,20 +33,20 @@ class ConfigError(ValueError):
 class Resources:
     """What one stage job asks of the cluster."""
 
-    nodes: int = 1
-    gpus_per_node: int = 0
-    cpus_per_task: int = 2
-    mem_gb: int = 8
-    timeout_min: int = 60
+    nodes: int = MISSING
+    gpus_per_node: int = MISSING
+    cpus_per_task: int = MISSING
+    mem_gb: int = MISSING
+    timeout_min: int = MISSING
 
 
 @dataclass
 class TinySpec:
     """How to build a tiny target when no model path is given."""
 
-    arch: str = "llama"
-    model: dict[str, Any] = field(default_factory=dict)
-    train: dict[str, Any] = field(default_factory=dict)
+    arch: str = MISSING
+    model: dict[str, Any] = MISSING
+    train: dict[str, Any] = MISSING
 
 
 @dataclass
@@ -57,13 +58,13 @@ class TargetConfig:
     vocab_size: int = MISSING
     max_position_embeddings: int = MISSING
     # A local HF model directory. None: build the tiny target described by `tiny`.
-    path: Optional[str] = None
-    tiny: Optional[TinySpec] = None
-    trust_remote_code: bool = False
+    path: Optional[str] = MISSING
+    tiny: Optional[TinySpec] = MISSING
+    trust_remote_code: bool = MISSING
     # The architecture name of the target's HF config (recorded in plans and draft configs).
     architecture: str = MISSING
-    rope_theta: float = 10000.0
-    rope_scaling: Optional[dict[str, Any]] = None
+    rope_theta: float = MISSING
+    rope_scaling: Optional[dict[str, Any]] = MISSING
 
 
 @dataclass
@@ -71,37 +72,37 @@ class RegenerateConfig:
     """Replace the assistant turns by the target's own responses to the same prompts (SpecForge's
     regeneration), so the draft learns the text the target produces when served, not the data set's."""
 
-    enabled: bool = False
-    max_new_tokens: int = 128
+    enabled: bool = MISSING
+    max_new_tokens: int = MISSING
     # 0: greedy, what the serve stage benchmarks; > 0 samples (seeded).
-    temperature: float = 0.0
-    batch_size: int = 64
+    temperature: float = MISSING
+    batch_size: int = MISSING
 
 
 @dataclass
 class DataConfig:
-    name: str = "stdlib_chat"
-    max_files: Optional[int] = None
-    max_train_conversations: int = 2000
-    max_val_conversations: int = 200
-    max_seq_len: int = 512
-    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    name: str = MISSING
+    max_files: Optional[int] = MISSING
+    max_train_conversations: int = MISSING
+    max_val_conversations: int = MISSING
+    max_seq_len: int = MISSING
+    regenerate: RegenerateConfig = MISSING
 
 
 @dataclass
 class DraftConfig:
     """The EAGLE-3 draft's shape. `hidden_size`/`intermediate_size`/vocab None: take the target's."""
 
-    num_aux_layers: int = 3
-    hidden_size: Optional[int] = None
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 4
-    head_dim: Optional[int] = None
-    intermediate_size: Optional[int] = None
-    draft_vocab_size: Optional[int] = None
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: Optional[int] = None
-    torch_dtype: str = "bfloat16"
+    num_aux_layers: int = MISSING
+    hidden_size: Optional[int] = MISSING
+    num_attention_heads: int = MISSING
+    num_key_value_heads: int = MISSING
+    head_dim: Optional[int] = MISSING
+    intermediate_size: Optional[int] = MISSING
+    draft_vocab_size: Optional[int] = MISSING
+    rms_norm_eps: float = MISSING
+    max_position_embeddings: Optional[int] = MISSING
+    torch_dtype: str = MISSING
 
 
 @dataclass
@@ -109,118 +110,117 @@ class ExtractConfig:
     layers: list[int] = MISSING
     # Also capture these (e.g. the union of a sweep's aux_layers): sweep points then share one extraction
     # and each training reads its own subset.
-    extra_layers: list[int] = field(default_factory=list)
-    teacher: str = "post_norm"
-    dtype: str = "bfloat16"
-    shard_conversations: int = 256
-    batch_size: int = 8
-    resources: Resources = field(default_factory=Resources)
+    extra_layers: list[int] = MISSING
+    teacher: str = MISSING
+    dtype: str = MISSING
+    shard_conversations: int = MISSING
+    batch_size: int = MISSING
+    resources: Resources = MISSING
 
 
 @dataclass
 class TrainConfig:
     layers: list[int] = MISSING
-    ttt_steps: int = 7
-    epochs: int = 2
-    max_steps: Optional[int] = None
-    batch_size: int = 8
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_ratio: float = 0.05
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 0.5
-    step_weight_decay: float = 0.8
-    autocast_bf16: str = "auto"
-    checkpoint_every: int = 100
-    val_every: int = 100
-    log_every: int = 10
-    seed: int = 0
-    threads: Optional[int] = None
-    resources: Resources = field(default_factory=Resources)
+    ttt_steps: int = MISSING
+    epochs: int = MISSING
+    max_steps: Optional[int] = MISSING
+    batch_size: int = MISSING
+    lr: float = MISSING
+    min_lr_ratio: float = MISSING
+    warmup_ratio: float = MISSING
+    weight_decay: float = MISSING
+    beta1: float = MISSING
+    beta2: float = MISSING
+    grad_clip: float = MISSING
+    step_weight_decay: float = MISSING
+    autocast_bf16: str = MISSING
+    checkpoint_every: int = MISSING
+    val_every: int = MISSING
+    log_every: int = MISSING
+    seed: int = MISSING
+    threads: Optional[int] = MISSING
+    resources: Resources = MISSING
 
 
 @dataclass
 class EvalConfig:
     layers: list[int] = MISSING
-    draft_steps: int = 3
-    max_conversations: int = 64
-    prompts: int = 16
-    max_new_tokens: int = 64
-    acc_tolerance: float = 0.03
-    resources: Resources = field(default_factory=Resources)
+    draft_steps: int = MISSING
+    max_conversations: int = MISSING
+    prompts: int = MISSING
+    max_new_tokens: int = MISSING
+    acc_tolerance: float = MISSING
+    resources: Resources = MISSING
 
 
 @dataclass
 class ServeConfig:
     layers: list[int] = MISSING
-    engine: str = "reference"
-    sglang_version: str = "0.5.23"
+    engine: str = MISSING
+    sglang_version: str = MISSING
     # Python of the separate serving environment (sglang never lives in the project's environment).
-    python: str = "python"
-    num_steps: int = 3
-    eagle_topk: int = 1
-    num_draft_tokens: int = 4
-    tp_size: int = 1
-    mem_fraction_static: Optional[float] = None
-    dtype: Optional[str] = None
-    cuda_graph_max_bs_decode: Optional[int] = None
-    extra_args: list[str] = field(default_factory=list)
-    prompts: int = 16
-    max_new_tokens: int = 64
-    concurrency: list[int] = field(default_factory=lambda: [1])
+    python: str = MISSING
+    num_steps: int = MISSING
+    eagle_topk: int = MISSING
+    num_draft_tokens: int = MISSING
+    tp_size: int = MISSING
+    mem_fraction_static: Optional[float] = MISSING
+    dtype: Optional[str] = MISSING
+    cuda_graph_max_bs_decode: Optional[int] = MISSING
+    extra_args: list[str] = MISSING
+    prompts: int = MISSING
+    max_new_tokens: int = MISSING
+    concurrency: list[int] = MISSING
     # Passes over the prompt set per concurrency level; tok/s is the median pass (timing noise), and every
     # pass must produce the same greedy outputs.
-    repeats: int = 1
-    startup_timeout_s: float = 120.0
-    request_timeout_s: float = 120.0
-    accept_length_tolerance: float = 0.10
+    repeats: int = MISSING
+    startup_timeout_s: float = MISSING
+    request_timeout_s: float = MISSING
+    accept_length_tolerance: float = MISSING
     # Refuse to serve a draft whose config ids do not capture the layers it was trained on.
-    guard: bool = True
-    threads: Optional[int] = None
-    resources: Resources = field(default_factory=Resources)
+    guard: bool = MISSING
+    threads: Optional[int] = MISSING
+    resources: Resources = MISSING
 
 
 @dataclass
 class ClusterConfig:
-    kind: str = "local"
+    kind: str = MISSING
     # Slurm site settings (ignored by local/debug).
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    constraint: Optional[str] = None
-    setup: list[str] = field(default_factory=list)
-    wait: bool = False
+    partition: Optional[str] = MISSING
+    account: Optional[str] = MISSING
+    qos: Optional[str] = MISSING
+    constraint: Optional[str] = MISSING
+    setup: list[str] = MISSING
+    wait: bool = MISSING
 
 
 @dataclass
 class TrackingConfig:
-    uri: Optional[str] = None
-    experiment: str = "eagle-orchestrator"
+    uri: Optional[str] = MISSING
+    experiment: str = MISSING
 
 
 @dataclass
 class RootConfig:
     aux_layers: list[int] = MISSING
-    stages: list[str] = field(default_factory=lambda: list(STAGES))
-    dry_run: bool = False
+    stages: list[str] = MISSING
+    dry_run: bool = MISSING
     # Run only the preflight checks (config, and any artifacts the run would use or `check_draft`) and report.
-    check: bool = False
-    check_draft: Optional[str] = None
-    run_name: str = "run"
-    seed: int = 0
-    outputs_dir: str = "outputs"
-    run_dir: Optional[str] = None
-    target: TargetConfig = field(default_factory=TargetConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    draft: DraftConfig = field(default_factory=DraftConfig)
-    extract: ExtractConfig = field(default_factory=ExtractConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    serve: ServeConfig = field(default_factory=ServeConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    check: bool = MISSING
+    check_draft: Optional[str] = MISSING
+    run_name: str = MISSING
+    seed: int = MISSING
+    outputs_dir: str = MISSING
+    target: TargetConfig = MISSING
+    data: DataConfig = MISSING
+    draft: DraftConfig = MISSING
+    extract: ExtractConfig = MISSING
+    train: TrainConfig = MISSING
+    eval: EvalConfig = MISSING
+    serve: ServeConfig = MISSING
+    cluster: ClusterConfig = MISSING
+    tracking: TrackingConfig = MISSING
 
     @property
     def outputs(self) -> Path:
@@ -237,6 +237,11 @@ def load(cfg: DictConfig | dict) -> RootConfig:
     try:
         merged = OmegaConf.merge(OmegaConf.structured(RootConfig), raw)
         root: RootConfig = OmegaConf.to_object(merged)
+    except MissingMandatoryValue as exc:
+        raise ConfigError(
+            f"config key {exc.full_key!r} has no value: set it in the YAML under conf/ or as an override "
+            "(the schema holds no defaults)"
+        ) from None
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)
         msg = str(exc).splitlines()[0]
@@ -293,23 +298,31 @@ def validate(cfg: RootConfig) -> None:
     vd = cfg.draft.draft_vocab_size
     check(vd is None or 0 < vd <= t.vocab_size, f"draft.draft_vocab_size={vd}: expected 1..target.vocab_size={t.vocab_size} or null")
     s = cfg.serve
-    check(s.num_steps >= 1, f"serve.num_steps={s.num_steps}: expected >= 1")
+    check_speculative_args(s)
     check(s.repeats >= 1, f"serve.repeats={s.repeats}: expected >= 1")
     check(s.prompts >= 1 and s.max_new_tokens >= 1, f"serve.prompts={s.prompts}, serve.max_new_tokens={s.max_new_tokens}: expected >= 1 each")
     check(bool(s.concurrency) and min(s.concurrency) >= 1, f"serve.concurrency={s.concurrency}: expected a non-empty list of levels >= 1")
-    check(s.eagle_topk >= 1, f"serve.eagle_topk={s.eagle_topk}: expected >= 1")
-    if s.eagle_topk == 1:
-        check(
-            s.num_draft_tokens == s.num_steps + 1,
-            f"serve.num_draft_tokens={s.num_draft_tokens}: with serve.eagle_topk=1 SGLang forces it to "
-            f"serve.num_steps+1={s.num_steps + 1}; set that value so the config says what runs",
-        )
     if s.engine == "reference":
         check(s.eagle_topk == 1, f"serve.eagle_topk={s.eagle_topk}: the reference engine drafts a chain (topk 1)")
     try:
         layer_contract.to_engine_ids(s.engine, cfg.aux_layers, t.num_hidden_layers, t.family, s.sglang_version)
     except layer_contract.LayerContractError as exc:
         raise ConfigError(f"aux_layers={cfg.aux_layers} cannot be served by serve.engine={s.engine}: {exc}") from None
+
+
+def check_speculative_args(s: ServeConfig) -> None:
+    """EAGLE's steps / topk / draft tokens as SGLang takes them; `validate` and the SGLang launcher both call it."""
+    if s.num_steps < 1:
+        raise ConfigError(f"serve.num_steps={s.num_steps}: expected >= 1")
+    if s.eagle_topk < 1:
+        raise ConfigError(f"serve.eagle_topk={s.eagle_topk}: expected >= 1")
+    if s.eagle_topk == 1 and s.num_draft_tokens != s.num_steps + 1:
+        raise ConfigError(
+            f"serve.num_draft_tokens={s.num_draft_tokens}: with serve.eagle_topk=1 SGLang silently replaces it by "
+            f"serve.num_steps+1={s.num_steps + 1}; set serve.num_draft_tokens={s.num_steps + 1} so the config says what runs"
+        )
+    if s.num_draft_tokens < 2:
+        raise ConfigError(f"serve.num_draft_tokens={s.num_draft_tokens}: expected >= 2 (the verified root plus at least one draft token)")
 
 
 def captured_layers(cfg: RootConfig) -> list[int]:

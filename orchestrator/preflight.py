@@ -1,8 +1,9 @@
 """The mismatch guard: every known train/serve inconsistency, caught before it costs GPU time.
 
-`config_findings` needs nothing but the config and runs before any job is submitted; `artifact_findings`
-checks the real artifacts a run has (or a draft directory given with `check_draft=`) and runs again at stage
-boundaries. Each finding names its category, what is wrong and the fix. `python -m orchestrator
+`config_findings` needs nothing but the config and runs before any job is submitted (a value no run can use,
+such as an unknown teacher kind or a wrong speculative-argument set, already fails in `config.validate`);
+`artifact_findings` checks the real artifacts a run has (or a draft directory given with `check_draft=`) and runs
+again at stage boundaries. Each finding names its category, what is wrong and the fix. `python -m orchestrator
 +experiment=X check=true` prints the report and submits nothing.
 """
 
@@ -65,19 +66,11 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
             f"serve.layers={list(s.layers)} (serving captures {captured}) differs from aux_layers={list(cfg.aux_layers)} the draft is trained on",
             "drop the serve.layers override: every stage takes ${aux_layers}",
         ))
-    if cfg.extract.teacher not in layer_contract.TEACHER_KINDS:
-        out.append(Finding("teacher kind", False, f"extract.teacher={cfg.extract.teacher!r}", f"use one of {layer_contract.TEACHER_KINDS}"))
     hidden = cfg.draft.hidden_size or t.hidden_size
     out.append(Finding(
         "hidden sizes", hidden == t.hidden_size,
         f"draft.hidden_size={hidden}, target.hidden_size={t.hidden_size}",
         "" if hidden == t.hidden_size else "set draft.hidden_size to the target's (the draft shares the target's embedding)",
-    ))
-    spec_ok = s.num_steps >= 1 and s.eagle_topk >= 1 and (s.eagle_topk > 1 or s.num_draft_tokens == s.num_steps + 1)
-    out.append(Finding(
-        "speculative args", spec_ok,
-        f"EAGLE3, steps={s.num_steps}, topk={s.eagle_topk}, draft tokens={s.num_draft_tokens}",
-        "" if spec_ok else f"with topk 1 set serve.num_draft_tokens={s.num_steps + 1}",
     ))
     bad_flags = [a for a in s.extra_args if a.startswith("--speculative-algorithm") or a == "EAGLE"]
     if bad_flags:

@@ -17,7 +17,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 # code path of every stage; the full-size demo is `python -m orchestrator +experiment=tiny_eagle3`.
 FAST = [
     "target.tiny.train.steps=60",
-    "+target.tiny.train.max_files=80",
+    "target.tiny.train.max_files=80",
     "data.max_files=80",
     "data.max_train_conversations=96",
     "data.max_val_conversations=16",

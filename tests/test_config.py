@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,10 +55,13 @@ def test_stage_configs_do_not_repeat_the_layer_list():
         ("aux_layers=[1,4,7]", "last decoder layer"),
         ("train.lr=fast", "train.lr"),
         ("+train.learning_rate=1", "learning_rate"),
-        ("serve.num_draft_tokens=8", "serve.num_draft_tokens"),
+        ("serve.num_draft_tokens=8", "serve.num_draft_tokens=8: with serve.eagle_topk=1 SGLang silently replaces it by serve.num_steps+1=4"),
+        ("serve.num_steps=0", "serve.num_steps=0: expected >= 1"),
+        ("serve.eagle_topk=0", "serve.eagle_topk=0: expected >= 1"),
+        ("serve.eagle_topk=4", "serve.eagle_topk=4: the reference engine drafts a chain"),
         ("serve.engine=vllm", "serve.engine"),
         ("stages=[train]", "prefix"),
-        ("extract.teacher=logits", "extract.teacher"),
+        ("extract.teacher=logits", "extract.teacher='logits': expected one of"),
         ("serve.repeats=0", "serve.repeats"),
         ("serve.concurrency=[]", "serve.concurrency"),
         ("data.regenerate.temperature=-1", "data.regenerate.temperature"),
@@ -65,8 +69,25 @@ def test_stage_configs_do_not_repeat_the_layer_list():
     ],
 )
 def test_bad_config_names_the_key(override, fragment):
-    with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
         compose_root(["+experiment=tiny_eagle3", override])
+
+
+def test_tree_drafting_needs_two_draft_tokens():
+    with pytest.raises(ConfigError, match=r"serve\.num_draft_tokens=1: expected >= 2"):
+        compose_root(["+experiment=kimi_eagle3", "serve.eagle_topk=4", "serve.num_draft_tokens=1"])
+
+
+@pytest.mark.parametrize("key", ["serve.guard", "extract.resources", "cluster.setup", "target.tiny", "data.regenerate.batch_size"])
+def test_a_key_missing_from_the_yaml_fails_naming_it(key):
+    # The schema holds no defaults: a key no YAML file sets is an error, not a silent value.
+    with pytest.raises(ConfigError, match=re.escape(f"config key '{key}' has no value")):
+        compose_root(["+experiment=tiny_eagle3", f"~{key}"])
+
+
+@pytest.mark.parametrize("option", [*(f"cluster={p.stem}" for p in sorted((conf_dir() / "cluster").glob("*.yaml"))), "serve=sglang"])
+def test_group_options_no_experiment_selects_set_every_key(option):
+    assert isinstance(compose_root(["+experiment=tiny_eagle3", option]), RootConfig)
 
 
 def test_kimi_plan_ids_capture_the_seed_layers(tmp_path):

@@ -1,4 +1,4 @@
-"""Fast tests for the tiny target builder (tiny sizes, a few optimizer steps)."""
+"""Fast tests for the tiny target builder: the specs conf/ composes, shrunk to tiny sizes and a few optimizer steps."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from orchestrator.tiny import DEFAULT_SPECS, build_tiny_target, load_build_report, stdlib_conversations
+from orchestrator.tiny import build_tiny_target, load_build_report, spec_hash, stdlib_conversations
 from orchestrator.tiny import build as build_mod
 from orchestrator.tiny.corpus import is_heldout
 
@@ -36,22 +36,37 @@ FAST_MODEL = {
         "vocab_size": 512,
     },
 }
-ARCHS = ("llama", "deepseek_v3")
-
-
-def fast_spec(arch: str) -> dict:
-    name = f"tiny_{arch}"
-    return {
-        "arch": arch,
-        "model": {**DEFAULT_SPECS[name]["model"], **FAST_MODEL[arch]},
-        "train": {**DEFAULT_SPECS[name]["train"], **FAST_TRAIN},
-    }
+EXPERIMENTS = {"llama": "tiny_eagle3", "deepseek_v3": "tiny_deepseek_eagle3"}
+ARCHS = tuple(EXPERIMENTS)
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> dict:
+def fast_specs(tiny_config) -> dict:
+    """Each tiny target's spec as its experiment composes it from conf/, shrunk by FAST_MODEL and FAST_TRAIN."""
+    specs = {}
+    for arch, experiment in EXPERIMENTS.items():
+        tiny = tiny_config(experiment=experiment, fast=False).target.tiny
+        assert tiny.arch == arch
+        specs[arch] = {"arch": arch, "model": {**tiny.model, **FAST_MODEL[arch]}, "train": {**tiny.train, **FAST_TRAIN}}
+    return specs
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, fast_specs) -> dict:
     root = tmp_path_factory.mktemp("tiny")
-    return {arch: build_tiny_target(root / arch, **fast_spec(arch), seed=0, progress=False) for arch in ARCHS}
+    return {arch: build_tiny_target(root / arch, **fast_specs[arch], seed=0, progress=False) for arch in ARCHS}
+
+
+def test_a_spec_names_every_key_the_builder_reads(fast_specs):
+    spec = fast_specs["llama"]
+    train = {k: v for k, v in spec["train"].items() if k != "warmup_steps"}
+    with pytest.raises(ValueError, match=r"train keys missing: \['warmup_steps'\].*target\.tiny\.train"):
+        spec_hash(spec["arch"], spec["model"], train, 0)
+    model = {k: v for k, v in spec["model"].items() if k != "vocab_size"}
+    with pytest.raises(ValueError, match=r"model keys missing: \['vocab_size'\]"):
+        spec_hash(spec["arch"], model, spec["train"], 0)
+    with pytest.raises(ValueError, match=r"unknown train keys: \['warmup'\]"):
+        spec_hash(spec["arch"], spec["model"], {**spec["train"], "warmup": 3}, 0)
 
 
 def test_corpus_deterministic_and_split():
@@ -138,29 +153,29 @@ def test_chat_template_assistant_mask(built):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_deterministic_and_cached(built, arch, tmp_path):
+def test_deterministic_and_cached(built, fast_specs, arch, tmp_path):
     first = load_build_report(built[arch])
-    again = build_tiny_target(tmp_path / "again", **fast_spec(arch), seed=0, progress=False)
+    again = build_tiny_target(tmp_path / "again", **fast_specs[arch], seed=0, progress=False)
     assert load_build_report(again)["weights_sha256"] == first["weights_sha256"]
 
     report_path = built[arch] / "build_report.json"
     mtime = report_path.stat().st_mtime_ns
     t0 = time.perf_counter()
-    assert build_tiny_target(built[arch], **fast_spec(arch), seed=0, progress=False) == built[arch]
+    assert build_tiny_target(built[arch], **fast_specs[arch], seed=0, progress=False) == built[arch]
     assert time.perf_counter() - t0 < 1.0
     assert report_path.stat().st_mtime_ns == mtime
     assert build_mod.weights_sha256(built[arch]) == first["weights_sha256"]
 
 
-def test_other_seed_differs_and_spec_mismatch_raises(built, tmp_path):
-    spec = fast_spec("llama")
+def test_other_seed_differs_and_spec_mismatch_raises(built, fast_specs, tmp_path):
+    spec = fast_specs["llama"]
     other = build_tiny_target(tmp_path / "seed1", **spec, seed=1, progress=False)
     assert load_build_report(other)["weights_sha256"] != load_build_report(built["llama"])["weights_sha256"]
     with pytest.raises(ValueError, match="different spec"):
         build_tiny_target(built["llama"], **spec, seed=1, progress=False)
 
 
-def test_concurrent_builders_build_once_and_clean_stale_temp(tmp_path, monkeypatch):
+def test_concurrent_builders_build_once_and_clean_stale_temp(fast_specs, tmp_path, monkeypatch):
     calls = []
     real = build_mod._train_and_save
 
@@ -175,7 +190,7 @@ def test_concurrent_builders_build_once_and_clean_stale_temp(tmp_path, monkeypat
 
     def worker():
         try:
-            results.append(build_tiny_target(out, **fast_spec("llama"), seed=0, progress=False))
+            results.append(build_tiny_target(out, **fast_specs["llama"], seed=0, progress=False))
         except Exception as e:  # pragma: no cover - surfaced by the assert below
             errors.append(e)
 

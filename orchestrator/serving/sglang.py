@@ -19,7 +19,7 @@ from typing import Any
 
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import ArtifactError
-from orchestrator.config import ConfigError, RootConfig
+from orchestrator.config import ConfigError, RootConfig, check_speculative_args
 from orchestrator.draft import export as draft_export
 
 MODULE = "sglang.launch_server"
@@ -48,7 +48,7 @@ class ServingRefused(RuntimeError):
 def launch_command(cfg: RootConfig, target_path: str, draft_dir: str | None, port: int, host: str = "127.0.0.1") -> list[str]:
     """The argv that starts SGLang on `target_path`; with `draft_dir` EAGLE-3 speculative decoding, else the baseline."""
     s = cfg.serve
-    check_speculative_args(s.num_steps, s.eagle_topk, s.num_draft_tokens)
+    check_speculative_args(s)
     check_extra_args(s.extra_args)
     argv = [s.python, "-m", MODULE, "--model-path", str(target_path)]
     if draft_dir is not None:
@@ -74,20 +74,6 @@ def launch_command(cfg: RootConfig, target_path: str, draft_dir: str | None, por
     argv += list(s.extra_args)
     argv += ["--host", host, "--port", str(port)]
     return argv
-
-
-def check_speculative_args(num_steps: int, eagle_topk: int, num_draft_tokens: int) -> None:
-    if num_steps < 1:
-        raise ConfigError(f"serve.num_steps={num_steps}: expected >= 1")
-    if eagle_topk < 1:
-        raise ConfigError(f"serve.eagle_topk={eagle_topk}: expected >= 1")
-    if eagle_topk == 1 and num_draft_tokens != num_steps + 1:
-        raise ConfigError(
-            f"serve.num_draft_tokens={num_draft_tokens}: with serve.eagle_topk=1 SGLang silently replaces it by "
-            f"serve.num_steps+1={num_steps + 1}; set serve.num_draft_tokens={num_steps + 1} so the config says what runs"
-        )
-    if num_draft_tokens < 2:
-        raise ConfigError(f"serve.num_draft_tokens={num_draft_tokens}: expected >= 2 (the verified root plus at least one draft token)")
 
 
 def check_extra_args(extra_args: list[str]) -> None:

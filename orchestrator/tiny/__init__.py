@@ -2,7 +2,6 @@
 
 from .build import (
     CHAT_TEMPLATE,
-    DEFAULT_SPECS,
     SPECIAL_TOKENS,
     build_tiny_target,
     load_build_report,
@@ -14,7 +13,6 @@ from .corpus import Conversation, stdlib_conversations
 
 __all__ = [
     "CHAT_TEMPLATE",
-    "DEFAULT_SPECS",
     "SPECIAL_TOKENS",
     "Conversation",
     "build_tiny_target",

@@ -50,68 +50,25 @@ SPECIAL_TOKENS = (PAD_TOKEN, END_TOKEN, *ROLE_TOKENS)
 REPORT_NAME = "build_report.json"
 ARCHS = ("llama", "deepseek_v3")
 
-TRAIN_DEFAULTS: dict[str, Any] = {
-    "steps": None,  # stop after this many optimizer steps ...
-    "seconds": None,  # ... and/or after this much training wall time (not reproducible)
-    "seq_len": 256,
-    "batch_size": 8,
-    "lr": 3e-3,
-    "min_lr_ratio": 0.1,
-    "warmup_steps": 20,
-    "weight_decay": 0.1,
-    "betas": (0.9, 0.95),
-    "grad_clip": 1.0,
-    "tokenizer_vocab_size": None,  # None: the model's vocab_size
-    "tokenizer_max_texts": 20000,
-    "eval_sequences": 48,
-    "max_files": None,  # corpus subsample, for tests
-    "threads": None,  # torch intra-op threads during the build; None: leave torch's setting
-}
-
-# Tuned for ~60 s of training on 2 CPU cores (uncontended). Training is compute-bound at a few
-# thousand tokens/s, so the budget is only ~0.3-0.4M tokens; in that regime a narrow, deep Llama
-# (hidden 128) beats hidden 256 (heldout 5.46 vs 5.97 nats at equal compute), and heldout loss
-# ends near 5.1-5.3 nats (uniform: ln 2048 = 7.62). Reaching < 3 needs far more steps.
-DEFAULT_SPECS: dict[str, dict[str, Any]] = {
-    "tiny_llama": {
-        "arch": "llama",
-        "model": {
-            "vocab_size": 2048,
-            "hidden_size": 128,
-            "num_hidden_layers": 8,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 2,
-            "intermediate_size": 352,
-            "max_position_embeddings": 2048,
-        },
-        "train": {"steps": 200, "seq_len": 256, "batch_size": 8, "lr": 1e-2, "warmup_steps": 10},
-    },
-    "tiny_deepseek_v3": {
-        "arch": "deepseek_v3",
-        "model": {
-            "vocab_size": 2048,
-            "hidden_size": 192,
-            "num_hidden_layers": 6,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 4,
-            "intermediate_size": 512,
-            "moe_intermediate_size": 192,
-            "first_k_dense_replace": 1,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "n_shared_experts": 1,
-            "n_group": 1,
-            "topk_group": 1,
-            "q_lora_rank": 96,
-            "kv_lora_rank": 64,
-            "qk_rope_head_dim": 16,
-            "qk_nope_head_dim": 32,
-            "v_head_dim": 32,
-            "max_position_embeddings": 2048,
-        },
-        "train": {"steps": 120, "seq_len": 256, "batch_size": 8, "lr": 1e-2, "warmup_steps": 10},
-    },
-}
+# Every key a build reads; the values live in conf/target/tiny_*.yaml (`target.tiny`).
+TRAIN_KEYS = (
+    "steps",  # stop after this many optimizer steps ...
+    "seconds",  # ... and/or after this much training wall time (not reproducible)
+    "seq_len",
+    "batch_size",
+    "lr",
+    "min_lr_ratio",
+    "warmup_steps",
+    "weight_decay",
+    "betas",
+    "grad_clip",
+    "tokenizer_vocab_size",  # None: the model's vocab_size
+    "tokenizer_max_texts",
+    "eval_sequences",
+    "max_files",  # corpus subsample; None: every file
+    "threads",  # torch intra-op threads during the build; None: leave torch's setting
+)
+MODEL_KEYS = ("vocab_size", "max_position_embeddings")  # read by the builder itself; the rest go to the HF config
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -157,10 +114,16 @@ def train_tokenizer(
 def _normalize_spec(arch: str, model: dict, train: dict, seed: int) -> dict[str, Any]:
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    unknown = set(train) - set(TRAIN_DEFAULTS)
+    unknown = set(train) - set(TRAIN_KEYS)
     if unknown:
-        raise ValueError(f"unknown train keys: {sorted(unknown)}")
-    tr = {**TRAIN_DEFAULTS, **train}
+        raise ValueError(f"unknown train keys: {sorted(unknown)}; expected {list(TRAIN_KEYS)}")
+    missing = [k for k in TRAIN_KEYS if k not in train]
+    if missing:
+        raise ValueError(f"train keys missing: {missing}; set them under target.tiny.train (conf/target/tiny_*.yaml)")
+    missing = [k for k in MODEL_KEYS if k not in model]
+    if missing:
+        raise ValueError(f"model keys missing: {missing}; set them under target.tiny.model (conf/target/tiny_*.yaml)")
+    tr = dict(train)
     if tr["steps"] is None and tr["seconds"] is None:
         raise ValueError("train needs 'steps' and/or 'seconds'")
     # json round trip: tuples -> lists, so a spec compares equal to the one read back from disk.
@@ -316,8 +279,8 @@ def _train_and_save(tmp: Path, spec: dict[str, Any], progress: bool) -> dict[str
     rng = random.Random(seed)
     tok_texts = [m["content"] for conv in train_convs for m in conv]
     rng.shuffle(tok_texts)
-    tok_vocab = tr["tokenizer_vocab_size"] or model_over.get("vocab_size", 2048)
-    max_pos = model_over.get("max_position_embeddings", 2048)
+    tok_vocab = tr["tokenizer_vocab_size"] or model_over["vocab_size"]
+    max_pos = model_over["max_position_embeddings"]
     tokenizer = train_tokenizer(tok_texts[: tr["tokenizer_max_texts"]], tok_vocab, model_max_length=max_pos)
     t_tok = time.perf_counter()
 
