@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import codecs
+import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import submitit
 
@@ -81,8 +84,13 @@ def job_state(cluster: ClusterConfig, folder: Path, job_id: str) -> str:
 ACTIVE_STATES = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "RESIZING", "SUSPENDED")
 
 
-def wait(job, stage: str) -> Any:
-    """The job's result, or StageFailed with the error and the tail of the job's stderr."""
+def wait(job, stage: str, follow_log: bool = True) -> Any:
+    """The job's result, or StageFailed with the error and the tail of the job's stderr. With `follow_log`, a job
+    that runs in another process (local or Slurm) has its log streamed to the console meanwhile; a debug job runs
+    in this process, so its output reaches the console anyway."""
+    if follow_log and not isinstance(job, submitit.DebugJob):
+        print(f"[{stage}] job {job.job_id} log: {job.paths.stdout} (stderr: {job.paths.stderr})", flush=True)
+        follow_logs(job)
     try:
         return job.result()
     except Exception as exc:  # submitit wraps the remote traceback in its own exception types
@@ -92,6 +100,45 @@ def wait(job, stage: str) -> Any:
         except Exception:
             pass
         raise StageFailed(f"stage {stage} (job {job.job_id}) failed: {exc}\n--- job log tail ---\n{tail}") from None
+
+
+def follow_logs(job, out: TextIO | None = None, err: TextIO | None = None, poll_s: float = 0.3) -> None:
+    """Copies the job's stdout and stderr files (to `out` and `err`, the console by default) from their start as
+    they grow, as `tail -f` would, until the job is done, then copies what is left. Carriage returns pass through
+    unchanged, so progress bars redraw in place."""
+    out = sys.stdout if out is None else out  # looked up per call: pytest and others swap sys.stdout
+    err = sys.stderr if err is None else err
+    logs = [_FollowedFile(job.paths.stdout, out), _FollowedFile(job.paths.stderr, err)]
+    while True:
+        done = job.done()  # read before copying, so the last copy sees everything the job wrote
+        for log in logs:
+            log.copy_new_bytes()
+        if done:
+            return
+        time.sleep(poll_s)
+
+
+class _FollowedFile:
+    """A file that another process appends to (and may not have created yet), copied to a stream piece by piece."""
+
+    def __init__(self, path: Path, sink: TextIO):
+        self.path = Path(path)
+        self.sink = sink
+        self.offset = 0
+        # A read can end inside a multi-byte character: the decoder keeps the partial bytes for the next one.
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def copy_new_bytes(self) -> None:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        if data:
+            self.offset += len(data)
+            self.sink.write(self.decoder.decode(data))
+            self.sink.flush()
 
 
 def render_sbatch(cluster: ClusterConfig, folder: Path, name: str, resources: Resources, dependency: list[str] | None = None) -> str:

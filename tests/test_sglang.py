@@ -1,13 +1,13 @@
 """SGLang's command line and draft directory (orchestrator/serving/sglang.py), against golden files.
 
-Goldens live in tests/golden/; `UPDATE_GOLDEN=1 pytest tests/test_sglang.py` rewrites them (review the diff).
+Goldens live in tests/golden/; `EAGLE_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_sglang.py` rewrites them
+(review the diff).
 The `sglang` tests parse the golden commands with sglang's own parser: they need `SGLANG_PYTHON` pointing at a
 python that imports sglang (scripts/make_sglang_env.sh builds one).
 """
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import sys
@@ -26,7 +26,8 @@ from orchestrator.draft.model import DraftShape, Eagle3Draft, default_shape
 from orchestrator.serving import sglang
 from orchestrator.serving.sglang import ServingRefused
 
-GOLDEN = Path(__file__).parent / "golden"
+from golden import GOLDEN_DIR, assert_matches_golden
+
 SERVING_PYTHON = "/opt/sglang-env/bin/python"
 PORT = 30000
 # Fixed paths for the goldens, one of them hostile: argv elements are passed verbatim, never through a shell.
@@ -46,18 +47,7 @@ def make_config(overrides: list[str]) -> RootConfig:
 
 
 def assert_golden(name: str, data: Any) -> None:
-    path = GOLDEN / f"{name}.json"
-    text = json.dumps(data, indent=2) + "\n"
-    if os.environ.get("UPDATE_GOLDEN") == "1":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        return
-    if not path.exists():
-        pytest.fail(f"golden file {path} missing; create it with UPDATE_GOLDEN=1")
-    expected = path.read_text()
-    if text != expected:
-        diff = "".join(difflib.unified_diff(expected.splitlines(True), text.splitlines(True), str(path), "actual"))
-        pytest.fail(f"output differs from {path} (UPDATE_GOLDEN=1 rewrites it if the change is intended):\n{diff}")
+    assert_matches_golden(f"{name}.json", json.dumps(data, indent=2) + "\n")
 
 
 def launch_commands(experiment: str) -> dict[str, list[str]]:
@@ -303,7 +293,7 @@ def sglang_python() -> str:
 @pytest.mark.parametrize("experiment", sorted(EXPERIMENTS))
 def test_golden_commands_parse_with_sglang(experiment, sglang_python):
     python = sglang_python
-    commands = json.loads((GOLDEN / f"sglang_launch_{experiment}.json").read_text())
+    commands = json.loads((GOLDEN_DIR / f"sglang_launch_{experiment}.json").read_text())
     for argv in commands.values():
         sglang.validate_with_sglang(python, argv)
 

@@ -1,0 +1,99 @@
+"""While a run waits on a local job, the job's log streams to the console (orchestrator/runner.py): real submitit
+jobs in a temporary folder, each a few lines, a progress bar and short sleeps."""
+
+from __future__ import annotations
+
+import io
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import submitit
+
+from orchestrator import runner
+
+LINES = [f"step {i} of 3" for i in range(1, 4)]
+PROGRESS = ["\rtrain:  33%|###       | 1/3", "\rtrain:  67%|######    | 2/3", "\rtrain: 100%|##########| 3/3\n"]
+
+
+def chatty_stage() -> str:
+    for line, progress in zip(LINES, PROGRESS):
+        print(line, flush=True)
+        print(progress, end="", file=sys.stderr, flush=True)  # tqdm writes to stderr, redrawing with \r
+        time.sleep(0.3)
+    return "done"
+
+
+def failing_stage() -> None:
+    print("loading shard 7", file=sys.stderr, flush=True)
+    raise ValueError("shard 7 is truncated")
+
+
+@pytest.fixture
+def local_executor(tmp_path, monkeypatch):
+    # The job's own python unpickles the stage function by name: it imports this module from tests/.
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    executor = submitit.LocalExecutor(folder=tmp_path / "jobs")
+    executor.update_parameters(timeout_min=2)
+    return executor
+
+
+class WhileRunning(io.StringIO):
+    """A stream that notes whether anything was written to it while the job was still running."""
+
+    def __init__(self, job):
+        super().__init__()
+        self.job = job
+        self.written_while_running = False
+
+    def write(self, text: str) -> int:
+        self.written_while_running |= bool(text) and not self.job.done()
+        return super().write(text)
+
+
+def assert_in_order(text: str, parts: list[str]) -> None:
+    position = 0
+    for part in parts:
+        found = text.find(part, position)
+        assert found >= 0, f"{part!r} missing after position {position} of:\n{text!r}"
+        position = found + len(part)
+
+
+def test_wait_prints_the_log_path_and_streams_the_log(local_executor, capsys):
+    job = local_executor.submit(chatty_stage)
+
+    assert runner.wait(job, "train") == "done"
+
+    captured = capsys.readouterr()
+    assert f"[train] job {job.job_id} log: {job.paths.stdout} (stderr: {job.paths.stderr})" in captured.out
+    assert Path(job.paths.stdout).is_file()
+    assert_in_order(captured.out, LINES)
+    assert_in_order(captured.err, PROGRESS)
+
+
+def test_follow_logs_copies_each_file_to_its_stream_while_the_job_runs(local_executor):
+    job = local_executor.submit(chatty_stage)
+    out, err = WhileRunning(job), io.StringIO()
+
+    runner.follow_logs(job, out, err, poll_s=0.05)
+
+    assert job.done()
+    assert out.getvalue() == Path(job.paths.stdout).read_bytes().decode()  # all of it, \r kept
+    assert err.getvalue() == Path(job.paths.stderr).read_bytes().decode()
+    assert_in_order(out.getvalue(), LINES)
+    assert "".join(PROGRESS) in err.getvalue()
+    assert out.written_while_running, "the log arrived only after the job ended, not as it was written"
+
+
+def test_a_failing_job_raises_stage_failed_with_the_log_tail(local_executor, capsys):
+    job = local_executor.submit(failing_stage)
+
+    with pytest.raises(runner.StageFailed) as failure:
+        runner.wait(job, "extract")
+
+    message = str(failure.value)
+    assert f"stage extract (job {job.job_id}) failed" in message
+    assert_in_order(message, ["--- job log tail ---", "loading shard 7", "ValueError: shard 7 is truncated"])
+    assert "shard 7 is truncated" in capsys.readouterr().err  # streamed as it happened, too
+
