@@ -4,6 +4,9 @@ Format (sglang 0.5.23, `LlamaForCausalLMEagle3`; DOMAIN.md §4): `config.json` +
 names below. SGLang drops unknown keys silently (random weights, accept length ~1), so the validator refuses
 them. Provenance (trained layers, target identity) goes to `orchestrator.json` beside them, never into
 SGLang's config.
+Rope (`draft/rope.py`): the draft config carries the rope the draft was trained with, which is the target's; the
+validator compares the rope SGLang will build from the draft config with the trained one, absent keys meaning
+SGLang's default (theta 10000), never "unknown".
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from orchestrator.artifacts import ArtifactError, atomic_path, read_json, write_json
+from orchestrator.draft import rope as rope_lib
 from orchestrator.draft.model import DraftShape, Eagle3Draft
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -76,7 +80,7 @@ def draft_config(
     target_config: dict[str, Any],
     max_position_embeddings: int,
 ) -> dict[str, Any]:
-    """SGLang's draft config.json, with rope settings copied from the target's config."""
+    """SGLang's draft config.json, with the target's rope (read in either spelling, written in both)."""
     conf = {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -96,7 +100,8 @@ def draft_config(
         "tie_word_embeddings": False,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True},
     }
-    for key in ("rope_theta", "rope_scaling", "bos_token_id", "eos_token_id", "pad_token_id"):
+    conf |= rope_lib.config_keys(rope_lib.read(target_config, "the target's config.json"))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if key in target_config:
             conf[key] = target_config[key]
     return conf
@@ -123,6 +128,7 @@ def export(model: Eagle3Draft, folder: Path, config: dict[str, Any], provenance:
 
 def shape_from_config(conf: dict[str, Any]) -> DraftShape:
     ids = conf.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0]
+    rope = rope_lib.config_keys(rope_lib.read(conf, "draft config.json"))
     return DraftShape(
         hidden_size=conf["hidden_size"],
         target_hidden_size=conf.get("target_hidden_size", conf["hidden_size"]),
@@ -134,8 +140,9 @@ def shape_from_config(conf: dict[str, Any]) -> DraftShape:
         vocab_size=conf["vocab_size"],
         draft_vocab_size=conf.get("draft_vocab_size", conf["vocab_size"]),
         rms_norm_eps=conf.get("rms_norm_eps", 1e-6),
-        rope_theta=conf.get("rope_theta", 10000.0),
+        rope_theta=rope["rope_theta"],
         max_position_embeddings=conf.get("max_position_embeddings", 2048),
+        rope_scaling=rope.get("rope_scaling"),
     )
 
 
@@ -164,12 +171,11 @@ def validate_draft_dir(folder: Path, target_config: dict[str, Any] | None = None
         ids = eagle.get("eagle_aux_hidden_state_layer_ids")
         need(isinstance(ids, list) and all(isinstance(i, int) for i in ids) and ids, "eagle_config.eagle_aux_hidden_state_layer_ids must be a non-empty list of ints")
         need(eagle.get("use_aux_hidden_state", True) is True, "eagle_config.use_aux_hidden_state must be true")
+    problems += [f"config.json: {p}" for p in rope_problems(folder, conf, target_config)]
     if target_config:
         target_ctx = target_config.get("max_position_embeddings")
         if isinstance(target_ctx, int) and isinstance(conf.get("max_position_embeddings"), int):
             need(conf["max_position_embeddings"] >= target_ctx, f"max_position_embeddings={conf['max_position_embeddings']} < the target's {target_ctx} (SGLang refuses to start)")
-        for key in ("rope_theta", "rope_scaling"):
-            need(conf.get(key) == target_config.get(key), f"{key}={conf.get(key)!r} differs from the target's {target_config.get(key)!r}")
         need(conf.get("target_hidden_size") == target_config.get("hidden_size"), f"target_hidden_size={conf.get('target_hidden_size')} but the target's hidden_size is {target_config.get('hidden_size')}")
         need(conf.get("vocab_size") == target_config.get("vocab_size"), f"vocab_size={conf.get('vocab_size')} but the target's is {target_config.get('vocab_size')}")
     if problems:
@@ -196,6 +202,40 @@ def validate_draft_dir(folder: Path, target_config: dict[str, Any] | None = None
     return problems
 
 
+def rope_problems(folder: Path, conf: dict[str, Any], target_config: dict[str, Any] | None) -> list[str]:
+    """The rope SGLang builds from the draft config against the one the draft was trained with: provenance's
+    "rope" when recorded, else the target config's rope (the draft uses the target's)."""
+    legacy_keys = {k: conf[k] for k in ("rope_theta", "rope_scaling") if k in conf}
+    try:
+        served = rope_lib.read(conf, "draft config.json")
+        legacy = rope_lib.read(legacy_keys, "draft config.json")
+    except rope_lib.RopeError as err:
+        return [str(err)]
+    if conf.get("rope_parameters") and legacy_keys:
+        # SGLang reads rope_parameters first, transformers may fold rope_theta/rope_scaling into it: both must agree
+        if legacy != served:
+            return [
+                f"rope_theta/rope_scaling ({legacy.describe()}) disagree with rope_parameters ({served.describe()}); "
+                "which one is served depends on the SGLang/transformers version. Re-export the draft"
+            ]
+    record = read_json(folder / PROVENANCE, "draft provenance").get("rope") if (folder / PROVENANCE).exists() else None
+    if record is not None:
+        trained, source = rope_lib.read({"rope_parameters": record}, f"{folder / PROVENANCE} rope"), "the draft was trained with"
+    elif target_config:
+        try:
+            trained, source = rope_lib.read(target_config, "the target's config.json"), "the target's config.json gives"
+        except rope_lib.RopeError as err:
+            return [str(err)]
+    else:
+        return []
+    if served != trained:
+        return [
+            f"rope: SGLang would serve a {served.describe()} (rope_theta={served.theta:g}, rope_parameters="
+            f"{served.as_dict()}), but {source} a {trained.describe()}; re-export the draft with the target's rope"
+        ]
+    return []
+
+
 def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab: int) -> list[str]:
     problems = []
     if d2t.dtype != torch.int64:
@@ -214,17 +254,17 @@ def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab: int) -> 
 
 
 def load_draft(folder: Path) -> tuple[Eagle3Draft, dict[str, Any]]:
-    """The draft as a serving engine loads it: from the directory alone, weights upcast to float32."""
+    """The draft as a serving engine loads it: from the directory alone, in the config's `torch_dtype` (the
+    dtype SGLang serves it in), so that whatever runs it computes what serving computes."""
     folder = Path(folder)
     conf = read_json(folder / "config.json", "draft config")
+    dtype = DTYPES[conf["torch_dtype"]]
     model = Eagle3Draft(shape_from_config(conf))
-    weights = load_file(str(folder / "model.safetensors"))
-    weights = {k: (v.float() if v.is_floating_point() else v) for k, v in weights.items()}
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing, unexpected = model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
     missing = [m for m in missing if m != "embed_tokens.weight"]
     if missing or unexpected:
         raise DraftFormatError(f"{folder}: missing {missing}, unexpected {unexpected}")
-    model.eval()
+    model.to(dtype).eval()
     return model, conf
 
 

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from orchestrator.draft import rope as rope_lib
 
 
 @dataclass
@@ -38,9 +40,14 @@ class DraftShape:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
+    rope_scaling: dict[str, Any] | None = None  # the HF `rope_scaling` dict; None: plain rope
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def rope(self) -> rope_lib.RopeSpec:
+        return rope_lib.read({"rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling}, "draft shape")
 
 
 class RMSNorm(nn.Module):
@@ -62,18 +69,26 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Rope(nn.Module):
-    """Llama rotary embedding (no scaling), for position ids of any shape."""
+    """Llama (neox-style) rotary embedding as SGLang builds it from the draft config (`draft/rope.py`: default,
+    linear, llama3, yarn), for position ids of any shape."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, spec: rope_lib.RopeSpec):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        inv_freq, self.scale = rope_lib.rotary(spec, head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [..., D] of position ids [...], YaRN's attention factor included."""
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        if self.scale == 1.0:
+            return emb.cos(), emb.sin()
+        return emb.cos() * self.scale, emb.sin() * self.scale
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x [B, heads, T, D]; positions [B, T]
-        freqs = positions[:, None, :, None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (x.float() * emb.cos() + rotate_half(x.float()) * emb.sin()).to(x.dtype)
+        cos, sin = self.cos_sin(positions[:, None, :])
+        return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -84,7 +99,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(2 * s.hidden_size, self.kv_heads * s.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * s.hidden_size, self.kv_heads * s.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * s.head_dim, s.hidden_size, bias=False)
-        self.rope = Rope(s.head_dim, s.rope_theta)
+        self.rope = Rope(s.head_dim, s.rope)
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
         b, t, _ = x.shape
@@ -195,7 +210,7 @@ class Eagle3Draft(nn.Module):
         attn = self.midlayer.self_attn
         scale = 1.0 / math.sqrt(attn.head_dim)
 
-        h = self.fc(aux)
+        h = self.fc(aux.to(self.fc.weight.dtype))
         ids = next_ids
         keys0 = vals0 = None
         chain_k: list[torch.Tensor] = []
@@ -251,7 +266,7 @@ class Eagle3Draft(nn.Module):
         if cache.length != start:
             raise RuntimeError(f"draft cache holds {cache.length} positions, extend starts at {start}")
         positions = torch.arange(start, start + aux.shape[1])[None]
-        out, _, _ = self._cached_step(self.fc(aux), next_ids, positions, cache, commit=True)
+        out, _, _ = self._cached_step(self.fc(aux.to(self.fc.weight.dtype)), next_ids, positions, cache, commit=True)
         return out[:, -1:]
 
     @torch.no_grad()
@@ -284,6 +299,7 @@ def default_shape(
     eps: float,
     rope_theta: float,
     max_positions: int,
+    rope_scaling: dict[str, Any] | None = None,
 ) -> DraftShape:
     hidden = hidden or target_hidden
     return DraftShape(
@@ -299,4 +315,5 @@ def default_shape(
         rms_norm_eps=eps,
         rope_theta=rope_theta,
         max_position_embeddings=max_positions,
+        rope_scaling=rope_scaling,
     )

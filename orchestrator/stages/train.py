@@ -23,6 +23,7 @@ from orchestrator import layers as layer_contract
 from orchestrator.artifacts import ArtifactError, atomic_path, file_sha256, write_json, write_manifest
 from orchestrator.config import RootConfig
 from orchestrator.draft import export as draft_export
+from orchestrator.draft import rope as draft_rope
 from orchestrator.draft.model import Eagle3Draft, default_shape
 from orchestrator.stages.extract import load_manifest_checked
 from orchestrator.targets import load_head_tensors, target_config_json, tokenizer_hash
@@ -187,16 +188,14 @@ def evaluate(draft, head, seqs, steps, kept, weights, batch_size, draft_steps) -
 
 def build_draft(cfg: RootConfig, target_path: Path, extract_dir: Path, manifest: dict) -> tuple[Eagle3Draft, TeacherHead]:
     tconf = target_config_json(target_path)
-    if tconf.get("rope_scaling"):
-        raise NotImplementedError(
-            f"target rope_scaling={tconf['rope_scaling']}: the project's draft implements plain Llama rope only; "
-            "training a draft for a rope-scaled target needs the scaled rope in orchestrator/draft/model.py"
-        )
+    # The draft uses the target's rope, scaling included (as SGLang's EAGLE-3 drafts for Kimi do), read in either
+    # spelling; the export writes the same rope into the draft config and records it in provenance.
+    rope = draft_rope.config_keys(draft_rope.read(tconf, f"{target_path}/config.json"))
     d = cfg.draft
     shape = default_shape(
         cfg.target.hidden_size, cfg.target.vocab_size, len(cfg.train.layers), d.hidden_size, d.num_attention_heads,
         d.num_key_value_heads, d.head_dim, d.intermediate_size, d.draft_vocab_size, d.rms_norm_eps,
-        tconf.get("rope_theta", cfg.target.rope_theta), d.max_position_embeddings or cfg.target.max_position_embeddings,
+        rope["rope_theta"], d.max_position_embeddings or cfg.target.max_position_embeddings, rope.get("rope_scaling"),
     )
     torch.manual_seed(cfg.train.seed)
     draft = Eagle3Draft(shape)
@@ -312,6 +311,7 @@ def export_draft(cfg: RootConfig, plan, draft: Eagle3Draft, manifest: dict, targ
         "extract_key": manifest["key"],
         "train_key": plan.stage_keys["train"],
         "val_metrics": final,
+        "rope": draft.shape.rope.as_dict(),
     }
     draft_dir = plan.dir("train") / "draft"
     draft_export.export(draft, draft_dir, conf, provenance, tconf)
