@@ -137,7 +137,12 @@ def run_stage(stage: str, cfg: RootConfig, plan: Plan, run_id: str, finalize: bo
     """Job entry point: runs one stage, logging to the pipeline's MLflow run. A failure marks the run failed
     (with the error) from inside the job, so that it shows even when nobody waits on the job; the last stage
     of the pipeline also writes the summary and closes the run."""
+    import torch
+
     module = importlib.import_module(f"orchestrator.stages.{stage}")
+    # The job's CPUs decide torch's thread count, not the machine it lands on: float reductions, and so the
+    # stage's numbers, are the same on a laptop, a local job and a Slurm job with the same resources.
+    torch.set_num_threads(getattr(cfg, stage).resources.cpus_per_task)
     tracker = tracking.Tracker(plan.tracking_uri, run_id)
     started = time.time()
     try:
@@ -246,7 +251,8 @@ def run_pipeline(cfg: RootConfig, run_dir: Path, sweep_dir: Path | None = None) 
             summary = finish(cfg, plan, tracker)
         elif blocking or cfg.cluster.wait:
             for stage, job in jobs:
-                runner.wait(job, stage)
+                # Blocking runs followed each log as the job ran; a second follow would print it again.
+                runner.wait(job, stage, follow_log=not blocking)
             summary = json.loads((Path(plan.run_dir) / "summary.json").read_text())
         else:
             return _report_submitted(plan, jobs, tracker.run_id)

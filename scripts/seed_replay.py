@@ -38,6 +38,7 @@ def row(summary: dict) -> dict:
     return {
         "train_val_acc_0": summary["stages"]["train"].get("val_acc_0"),
         "eval_acc_0": ev.get("acc_0"),
+        "eval_acc_0_trained_states": ev.get("trained_states_acc_0"),
         "eval_expected_accept_length": ev.get("expected_accept_length"),
         "served_accept_length": sv.get("accept_length"),
         "baseline_tok_s": sv.get("baseline_tok_s"),
@@ -59,10 +60,10 @@ def main(extra: list[str]) -> None:
     cfg = config(*extra)
     write_json(cfg.outputs / "seed_replay.json", results)
     print(f"\ntrained on aux_layers={TRAINED}; mismatch serves {SERVED}")
-    print(f"{'':22}{'matched':>12}{'mismatch':>12}")
-    for key in ("train_val_acc_0", "eval_acc_0", "eval_expected_accept_length", "served_accept_length", "baseline_tok_s", "spec_tok_s", "speedup"):
+    print(f"{'':28}{'matched':>12}{'mismatch':>12}")
+    for key in ("train_val_acc_0", "eval_acc_0_trained_states", "eval_acc_0", "eval_expected_accept_length", "served_accept_length", "baseline_tok_s", "spec_tok_s", "speedup"):
         a, b = results["matched"][key], results["mismatch_guard_off"][key]
-        print(f"{key:22}{a:12.3f}{b:12.3f}")
+        print(f"{key:28}{a:12.3f}{b:12.3f}")
     print("\nguard on:", results["guard_on"])
     print(json.dumps(results["mismatch_guard_off"]["mismatch_flags"], indent=2))
 

@@ -98,10 +98,111 @@ def test_eval_flags_draft_ids_changed_to_other_layers(trained, tmp_path):
 def test_accuracy_gap_must_exceed_tolerance_and_sampling_noise():
     from orchestrator.stages.eval import significant_gaps
 
-    few = {"acc_0": 0.5, "positions_0": 16, "acc_1": 0.5, "positions_1": 16}
-    gaps, noise = significant_gaps({0: 0.125, 1: 0.4}, few, 0.03)
-    assert noise[0] == pytest.approx(0.25)  # 2 * sqrt(0.25 / 16)
-    assert gaps == {1: 0.4}, "a 0.125 gap over 16 positions is noise; 0.4 is not"
-    many = {"acc_0": 0.5, "positions_0": 40000}
-    assert significant_gaps({0: 0.02}, many, 0.03)[0] == {}, "below the tolerance"
-    assert significant_gaps({0: 0.05}, many, 0.03)[0] == {0: 0.05}
+    few = {"acc_gap_0": 0.125, "acc_gap_se_0": 0.125, "acc_gap_1": 0.4, "acc_gap_se_1": 0.1}
+    gaps, noise = significant_gaps(few, 2, 0.03)
+    assert noise[0] == pytest.approx(0.25)
+    assert gaps == {1: 0.4}, "a 0.125 gap with a 0.125 standard error is noise; 0.4 with 0.1 is not"
+    precise = {"acc_gap_0": 0.02, "acc_gap_se_0": 0.001}
+    assert significant_gaps(precise, 1, 0.03)[0] == {}, "below the tolerance"
+    assert significant_gaps({"acc_gap_0": 0.05, "acc_gap_se_0": 0.001}, 1, 0.03)[0] == {0: 0.05}
+
+
+def test_eval_compares_served_and_trained_states_on_the_same_sequences(trained, tmp_path):
+    """A matched draft: the paired gap is within noise at every position and nothing is flagged; the served
+    accuracies are computed on the extraction's own validation sequences."""
+    cfg, plan = trained
+    eval_plan = dataclasses.replace(plan, stage_dirs={**plan.stage_dirs, "eval": str(tmp_path / "eval")})
+    result = run_stage("eval", cfg, eval_plan, _tracker(plan, "eval-matched").run_id)
+    assert result["mismatch"] is False, result["mismatch_flags"]
+    assert result["sequences"] == min(cfg.eval.max_conversations, cfg.data.max_val_conversations)
+    for k in range(cfg.eval.draft_steps):
+        assert result[f"positions_{k}"] > 0
+        assert abs(result[f"acc_gap_{k}"]) <= max(cfg.eval.acc_tolerance, 2 * result[f"acc_gap_se_{k}"]), k
+        assert result[f"acc_gap_{k}"] == pytest.approx(result[f"trained_states_acc_{k}"] - result[f"acc_{k}"])
+
+
+def test_eval_reports_no_metric_it_could_not_measure(trained, tmp_path):
+    """Draft config ids of which serving captures only 2 states (an id past the last layer is dropped), for a
+    draft whose fc takes 3: nothing can be measured, so eval flags it and writes no accuracy or accept length
+    (no placeholder), neither in its result nor in MLflow."""
+    cfg, plan = trained
+    altered = tmp_path / "train"
+    shutil.copytree(plan.dir("train"), altered)
+    conf_path = altered / "draft" / "config.json"
+    conf = json.loads(conf_path.read_text())
+    conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 5, 40]
+    conf_path.write_text(json.dumps(conf))
+    eval_plan = dataclasses.replace(_with_train_dir(plan, altered), stage_dirs={**_with_train_dir(plan, altered).stage_dirs, "eval": str(tmp_path / "eval")})
+    tracker = _tracker(plan, "eval-unmeasurable")
+    result = run_stage("eval", cfg, eval_plan, tracker.run_id)
+    assert result["served_layers"] == [2, 5]
+    assert result["mismatch"] is True and "no accuracy or accept length was measured" in result["mismatch_flags"][0]
+    measured = ("acc_", "full_acc_", "expected_accept_length", "trained_states_acc_", "mean_accepted_per_cycle")
+    assert not [k for k in result if k.startswith(measured)], result
+    logged = tracker.client.get_run(tracker.run_id).data.metrics
+    assert not [k for k in logged if k.removeprefix("eval/").startswith(measured)], logged
+    assert logged["eval/mismatch"] == 1.0
+
+
+def test_eval_runs_the_draft_in_the_dtype_it_is_served_in(trained, tmp_path):
+    """The exported config says bfloat16: eval loads and runs the draft in bfloat16, as SGLang would."""
+    from orchestrator.draft.export import load_draft
+
+    cfg, plan = trained
+    altered = tmp_path / "train"
+    shutil.copytree(plan.dir("train"), altered)
+    conf_path = altered / "draft" / "config.json"
+    conf = json.loads(conf_path.read_text())
+    conf["torch_dtype"] = "bfloat16"
+    conf_path.write_text(json.dumps(conf))
+    draft, _ = load_draft(altered / "draft")
+    assert {p.dtype for p in draft.parameters()} == {torch.bfloat16}
+    eval_plan = dataclasses.replace(_with_train_dir(plan, altered), stage_dirs={**_with_train_dir(plan, altered).stage_dirs, "eval": str(tmp_path / "eval")})
+    result = run_stage("eval", cfg, eval_plan, _tracker(plan, "eval-bf16").run_id)
+    assert result["draft_dtype"] == "bfloat16"
+    assert 0.0 <= result["acc_0"] <= 1.0
+
+
+@pytest.fixture
+def target_weights_forbidden(trained, monkeypatch):
+    """Any read of the target's weights in this process fails: its model class, or a safetensors file under the
+    target folder (the draft's own weights stay readable). Engine subprocesses load the target as they must."""
+    import safetensors
+    import safetensors.torch
+    import transformers
+
+    import orchestrator.draft.export
+    import orchestrator.stages.extract
+    import orchestrator.stages.train
+
+    target = Path(trained[1].target_dir).resolve()
+
+    def guard(fn):
+        def checked(path, *args, **kwargs):
+            if Path(path).resolve().is_relative_to(target):
+                raise AssertionError(f"read the target's weights: {path}")
+            return fn(path, *args, **kwargs)
+        return checked
+
+    def no_model(*args, **kwargs):
+        raise AssertionError(f"loaded the target model: {args}")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_model)
+    for module in (safetensors, safetensors.torch, orchestrator.stages.train):
+        monkeypatch.setattr(module, "safe_open", guard(module.safe_open), raising=False)
+    for module in (safetensors.torch, orchestrator.stages.extract, orchestrator.stages.train, orchestrator.draft.export):
+        monkeypatch.setattr(module, "load_file", guard(module.load_file))
+
+
+def test_serve_preflight_and_dry_run_read_no_target_weights(trained, tiny_config, tmp_path, target_weights_forbidden):
+    """They need the target's tokenizer and config only; for a 1T-parameter target, loading it would kill the job."""
+    from orchestrator import preflight
+
+    cfg, plan = trained
+    findings = preflight.run_checks(cfg, plan)
+    assert not preflight.failures(findings), findings
+    dry = run_pipeline(tiny_config("dry_run=true"), tmp_path / "dry")
+    assert dry["dry_run"] is True
+    serve_plan = dataclasses.replace(plan, stage_dirs={**plan.stage_dirs, "serve": str(tmp_path / "serve")})
+    result = run_stage("serve", cfg, serve_plan, _tracker(plan, "serve-no-weights").run_id)
+    assert result["greedy_outputs_identical"] is True and result["accept_length"] >= 1.0

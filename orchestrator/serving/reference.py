@@ -19,6 +19,7 @@ Run: python -m orchestrator.serving.reference --target DIR [--draft DIR] --port 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import queue
 import threading
@@ -63,6 +64,18 @@ class Engine:
             self.total_completion = 0
             self.total_verify = 0
             self.histogram = [0] * (self.steps + 1)
+            self.phases: dict[str, list[float]] = {}  # phase -> [seconds, count]
+
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        """Wall time of one serving phase (prefill, decode step, draft chain, verify pass, draft extend),
+        reported by /get_server_info as the mean per occurrence: the profile of the serve cycle."""
+        started = time.perf_counter()
+        yield
+        with self.stats_lock:
+            total = self.phases.setdefault(phase, [0.0, 0])
+            total[0] += time.perf_counter() - started
+            total[1] += 1
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new: int) -> dict[str, Any]:
@@ -80,39 +93,45 @@ class Engine:
 
     def _baseline(self, prompt: list[int], max_new: int) -> list[int]:
         cache = DynamicCache()
-        logits = self.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
+        with self.timed("prefill"):
+            logits = self.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
         out = []
         while True:
             token = int(logits[0, -1].argmax())
             out.append(token)
             if len(out) >= max_new or token == self.eos:
                 return out
-            logits = self.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits
+            with self.timed("decode"):
+                logits = self.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits
 
     def _speculative(self, prompt: list[int], max_new: int) -> tuple[list[int], int, list[int]]:
         steps = self.steps
         cache, dcache = DynamicCache(), DraftCache()
         histogram = [0] * (steps + 1)
         with HiddenStateCapture(self.model, self.layers) as capture:
-            logits = self.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
-            token = int(logits[0, -1].argmax())
+            with self.timed("prefill"):
+                logits = self.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
+                token = int(logits[0, -1].argmax())
+                # Commit positions 0..P-1: target states there, each with the token that follows it.
+                h = self.draft.extend(capture.aux(), torch.tensor([prompt[1:] + [token]]), 0, dcache)
             out = [token]
-            # Commit positions 0..P-1: target states there, each with the token that follows it.
-            h = self.draft.extend(capture.aux(), torch.tensor([prompt[1:] + [token]]), 0, dcache)
             last = len(prompt) - 1
             verify = 0
             while len(out) < max_new and token != self.eos:
-                drafts = self.draft.chain(h, last, dcache, steps)
-                logits = self.model(input_ids=torch.tensor([[token] + drafts]), past_key_values=cache, use_cache=True).logits
-                preds = logits[0].argmax(-1).tolist()
+                with self.timed("draft_chain"):
+                    drafts = self.draft.chain(h, last, dcache, steps)
+                with self.timed("verify"):
+                    logits = self.model(input_ids=torch.tensor([[token] + drafts]), past_key_values=cache, use_cache=True).logits
+                    preds = logits[0].argmax(-1).tolist()
                 accepted = 0
                 while accepted < steps and drafts[accepted] == preds[accepted]:
                     accepted += 1
                 new = drafts[:accepted] + [preds[accepted]]
                 verify += 1
                 histogram[accepted] += 1
-                _keep(cache, last + 1 + accepted + 1)
-                h = self.draft.extend(capture.aux()[:, : accepted + 1], torch.tensor([new]), last + 1, dcache)
+                with self.timed("draft_extend"):
+                    _keep(cache, last + 1 + accepted + 1)
+                    h = self.draft.extend(capture.aux()[:, : accepted + 1], torch.tensor([new]), last + 1, dcache)
                 last += accepted + 1
                 token = new[-1]
                 for t in new:  # stop at eos or the token budget, whichever the new tokens reach first
@@ -131,11 +150,13 @@ class Engine:
                 "total_completion_tokens": self.total_completion,
                 "total_verify_ct": self.total_verify,
             }
+            phase_ms = {name: 1000 * seconds / count for name, (seconds, count) in self.phases.items()}
         return {
             "internal_states": [state],
             "speculative_algorithm": "EAGLE3" if self.draft is not None else None,
             "speculative_num_steps": self.steps if self.draft is not None else None,
             "aux_layers_captured": self.layers,
+            "phase_ms": phase_ms,
             "engine": "orchestrator-reference",
         }
 

@@ -1,31 +1,30 @@
 """Standalone evaluation: the exported draft run exactly as serving runs it, against the live target.
 
-The draft comes from its directory (never the trainer's object); the target's states are captured where the
-serving engine captures them for the ids written in the draft config (decoded through the layer contract),
-and the draft consumes its own tokens. Two measurements:
+The draft comes from its directory (never the trainer's object), in the dtype its config says serving runs it
+in; the target's states are captured where the serving engine captures them for the ids written in the draft
+config (decoded through the layer contract), and the draft consumes its own tokens. Two measurements:
 
-  * accuracy on held-out conversations, per draft position, comparable with training's validation metrics
-    (position 0 is defined identically in both, so a gap there means train and serve feed the draft
-    different inputs: the seed's bug);
+  * accuracy per draft position on the validation sequences training validated on (the extraction's token
+    ids), paired position by position with the same draft fed the extracted states it was trained on: a gap
+    means train and serve feed the draft different inputs (the seed's bug), and nothing else;
   * accept length on the target's own greedy continuations of the serving prompt set, simulated cycle by
     cycle as a chain-drafting server with `draft_steps` steps runs it (completion tokens / verify passes).
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from orchestrator import layers as layer_contract
-from orchestrator.artifacts import write_json, write_manifest
+from orchestrator.artifacts import ArtifactError, read_manifest, write_json, write_manifest
 from orchestrator.capture import HiddenStateCapture
 from orchestrator.config import RootConfig
-from orchestrator.data import conversations, prompt_ids, sequences
+from orchestrator.data import conversations, prompt_ids
 from orchestrator.draft import export as draft_export
-from orchestrator.targets import load_target
+from orchestrator.targets import load_target, tokenizer_hash
 
 
 def served_layers(cfg: RootConfig, draft_conf: dict[str, Any]) -> list[int]:
@@ -36,38 +35,54 @@ def served_layers(cfg: RootConfig, draft_conf: dict[str, Any]) -> list[int]:
 
 
 @torch.no_grad()
-def text_accuracy(model, draft, layers: list[int], rendered, steps: int) -> dict[str, float]:
-    counts = torch.zeros(steps)
-    correct = torch.zeros(steps)
-    all_correct = torch.zeros(steps)
-    with HiddenStateCapture(model, layers) as capture:
-        for r in rendered:
-            ids = torch.tensor([r.input_ids])
-            length = ids.shape[1]
+def text_accuracy(model, draft, served: list[int], seqs, steps: int) -> dict[str, float]:
+    """Per draft position k, on the validation sequences training validated on: the accuracy of the draft fed
+    the states the serving engine captures from the live target (`served`), and, paired with it position by
+    position, the accuracy of the same draft fed the extracted states it was trained on (`seqs[i].aux`).
+
+    Both runs draft from their own tokens and are scored against the live target's greedy token, so the paired
+    gap measures what serving feeds the draft differently from training, and nothing else: the same sequences,
+    the same positions, the same draft in the same dtype."""
+    counts, live_right, ref_right, live_chain = (torch.zeros(steps, dtype=torch.float64) for _ in range(4))
+    per_sequence = []  # (positions, sum of ref - live) per sequence and position k, for the noise
+    with HiddenStateCapture(model, served) as capture:
+        for s in seqs:
+            length = len(s.input_ids)
             if length < 3:
                 continue
+            ids = s.input_ids[None]
             target_argmax = model(input_ids=ids, use_cache=False).logits.argmax(-1)[0]
-            aux = capture.aux()
             valid = torch.ones(1, length - 1, dtype=torch.bool)
-            unrolled = draft.unroll(aux[:, :-1], ids[:, 1:], valid, steps)
-            mask_all = torch.tensor(r.loss_mask, dtype=torch.bool)
-            chain = torch.ones(length - 1, dtype=torch.bool)
-            t = torch.arange(length - 1)
-            for k in range(steps):
-                pos = t + k + 1
-                inside = pos < length
-                pos_c = pos.clamp(max=length - 1)
-                mask = inside & mask_all[pos_c]
-                right = unrolled.tokens[k][0] == target_argmax[pos_c]
-                chain &= right
-                counts[k] += mask.sum()
-                correct[k] += (right & mask).sum()
-                all_correct[k] += (chain & mask).sum()
+            live = draft.unroll(capture.aux()[:, :-1], ids[:, 1:], valid, steps)
+            reference = draft.unroll(s.aux[None, :-1], ids[:, 1:], valid, steps)
             capture.clear()
-    out = {f"positions_{k}": int(counts[k]) for k in range(steps)}
-    counts = counts.clamp(min=1)
-    out |= {f"acc_{k}": float(correct[k] / counts[k]) for k in range(steps)}
-    out |= {f"full_acc_{k}": float(all_correct[k] / counts[k]) for k in range(steps)}
+            t = torch.arange(length - 1)
+            chain = torch.ones(length - 1, dtype=torch.bool)
+            n_seq, d_seq = torch.zeros(steps, dtype=torch.float64), torch.zeros(steps, dtype=torch.float64)
+            for k in range(steps):
+                pos = (t + k + 1).clamp(max=length - 1)
+                mask = (t + k + 1 < length) & s.loss_mask[pos]
+                right_live = live.tokens[k][0] == target_argmax[pos]
+                right_ref = reference.tokens[k][0] == target_argmax[pos]
+                chain &= right_live
+                counts[k] += mask.sum()
+                live_right[k] += (right_live & mask).sum()
+                ref_right[k] += (right_ref & mask).sum()
+                live_chain[k] += (chain & mask).sum()
+                n_seq[k] = mask.sum()
+                d_seq[k] = (right_ref & mask).sum() - (right_live & mask).sum()
+            per_sequence.append((n_seq, d_seq))
+    out: dict[str, float] = {f"positions_{k}": int(counts[k]) for k in range(steps)}
+    n = counts.clamp(min=1)
+    gap = (ref_right - live_right) / n
+    # Standard error of the gap with sequences as the independent units (positions within a sequence are
+    # correlated: a weak target repeats itself, and a draft is right or wrong on a whole run of tokens).
+    spread = sum(((d - gap * m) ** 2 for m, d in per_sequence), torch.zeros(steps, dtype=torch.float64))
+    se = spread.sqrt() / n
+    for k in range(steps):
+        out |= {f"acc_{k}": float(live_right[k] / n[k]), f"full_acc_{k}": float(live_chain[k] / n[k]),
+                f"trained_states_acc_{k}": float(ref_right[k] / n[k]), f"acc_gap_{k}": float(gap[k]),
+                f"acc_gap_se_{k}": float(se[k])}
     return out
 
 
@@ -128,14 +143,12 @@ def greedy_accept_length(model, tokenizer, draft, layers: list[int], prompts: li
     }
 
 
-def significant_gaps(gaps: dict[int, float], acc: dict[str, float], tolerance: float) -> tuple[dict[int, float], dict[int, float]]:
-    """The per-position gaps (training's acc_k minus the standalone acc_k) beyond both the tolerance and the
-    sampling noise of the standalone estimate (2 standard errors over its positions), and that noise: a handful
-    of held-out positions cannot raise a false alarm."""
-    noise = {}
-    for k in gaps:
-        p, n = acc[f"acc_{k}"], max(acc.get(f"positions_{k}", 0), 1)
-        noise[k] = 2 * math.sqrt(max(p * (1 - p), 1e-4) / n)
+def significant_gaps(acc: dict[str, float], steps: int, tolerance: float) -> tuple[dict[int, float], dict[int, float]]:
+    """The per-position paired gaps (trained states' accuracy minus served states' accuracy) beyond both the
+    tolerance and the sampling noise of the paired difference (2 standard errors over sequences), and that
+    noise: a handful of sequences that happen to differ cannot raise a false alarm."""
+    noise = {k: 2 * acc[f"acc_gap_se_{k}"] for k in range(steps)}
+    gaps = {k: acc[f"acc_gap_{k}"] for k in range(steps)}
     return {k: g for k, g in gaps.items() if g > max(tolerance, noise[k])}, noise
 
 
@@ -149,66 +162,64 @@ def mismatch_causes(cfg: RootConfig, prov: dict[str, Any], layers: list[int], ta
         )
     if target_tok_hash and prov.get("tokenizer_hash") != target_tok_hash:
         causes.append("the target's tokenizer/chat template differs from the one used at extraction")
-    trained_regen = (prov.get("data") or {}).get("regenerate", {}).get("enabled")
-    if trained_regen is not None and trained_regen != cfg.data.regenerate.enabled:
-        kind = {True: "the target's regenerated responses", False: "the data set's responses"}
-        causes.append(
-            f"the draft was trained on {kind[trained_regen]} but this eval uses {kind[cfg.data.regenerate.enabled]} "
-            "(data.regenerate.enabled): different texts, different accuracies"
-        )
     if not causes:
         causes.append(
-            "no layer or tokenizer difference found; check the teacher kind (pre/post norm), the draft vocabulary "
-            "map (d2t offsets) and the target weights (content hash) between extraction and serving"
+            "no layer or tokenizer difference found; check the capture points (pre/post norm), the target weights "
+            "(content hash) and the extraction dtype between extraction and serving"
         )
     return causes
 
 
 def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
+    from orchestrator.stages.serve import served_draft_dir
+    from orchestrator.stages.train import load_split
+
     out = plan.dir("eval")
     out.mkdir(parents=True, exist_ok=True)
-    from orchestrator.stages.serve import served_draft_dir
-
     draft_dir = served_draft_dir(cfg, plan)
     draft, draft_conf = draft_export.load_draft(draft_dir)
     prov = draft_export.provenance(draft_dir)
+    extract_dir = plan.dir("extract")
+    manifest = read_manifest(extract_dir, "extract")
+    if manifest["key"] != prov.get("extract_key"):
+        raise ArtifactError(
+            f"{extract_dir}/manifest.json: extraction {manifest['key']} is not the one the draft at {draft_dir} was "
+            f"trained on ({prov.get('extract_key')}); eval compares the draft on the same validation sequences, so it "
+            "needs that extraction"
+        )
     model, tokenizer = load_target(Path(plan.target_dir), cfg.target.trust_remote_code)
-    from orchestrator.targets import tokenizer_hash
-
     layers = served_layers(cfg, draft_conf)
     steps = cfg.eval.draft_steps
     trained_steps = prov.get("trained_ttt_steps", steps)
     flags: list[str] = []
-    result: dict[str, Any] = {"served_layers": layers, "trained_layers": prov.get("aux_layers"), "draft_steps": steps}
+    result: dict[str, Any] = {"served_layers": layers, "trained_layers": prov.get("aux_layers"), "draft_steps": steps,
+                              "draft_dtype": str(draft.fc.weight.dtype).removeprefix("torch.")}
     if len(layers) != draft.shape.num_aux_layers:
+        # Nothing can be measured: the draft cannot consume what serving captures. No accuracy is reported.
         flags.append(
             f"eval: serving captures {len(layers)} states ({layers}) for the draft config's ids, but the draft's fc takes "
-            f"{draft.shape.num_aux_layers}; SGLang would fail or drop a state. Causes: "
-            + "; ".join(mismatch_causes(cfg, prov, layers, None))
+            f"{draft.shape.num_aux_layers}; SGLang would fail or drop a state, so no accuracy or accept length was "
+            "measured. Causes: " + "; ".join(mismatch_causes(cfg, prov, layers, None))
         )
-        result |= {"acc_0": 0.0, "expected_accept_length": 1.0, "mismatch": True, "mismatch_flags": flags}
+        result |= {"mismatch": True, "mismatch_flags": flags}
     else:
+        val_seqs = load_split(extract_dir, manifest, "val", prov["aux_layers"])[: cfg.eval.max_conversations]
+        positions = min(steps, trained_steps) if trained_steps else steps
+        acc = text_accuracy(model, draft, layers, val_seqs, positions)
         _, val_convs = conversations(cfg.data, cfg.seed)
-        # The validation sequences training saw (the target's own responses when data.regenerate is on),
-        # produced here by the live target.
-        rendered = sequences(model, tokenizer, val_convs[: cfg.eval.max_conversations], cfg.data, "val", cfg.seed)
-        acc = text_accuracy(model, draft, layers, rendered, min(steps, trained_steps) if trained_steps else steps)
         prompts = [prompt_ids(tokenizer, c, cfg.data.max_seq_len) for c in val_convs[: cfg.eval.prompts]]
         greedy = greedy_accept_length(model, tokenizer, draft, layers, prompts, steps, cfg.eval.max_new_tokens)
         val = prov.get("val_metrics", {})
-        # Training validates with the draft's own tokens too, so every position is comparable, not only 0.
-        gaps = {k: val[f"acc_{k}"] - acc[f"acc_{k}"] for k in range(steps) if f"acc_{k}" in val and f"acc_{k}" in acc}
-        result |= acc | greedy | {"train_val_acc_0": val.get("acc_0"), "acc_0_gap": gaps.get(0, 0.0),
-                                  "train_val_acc": [val.get(f"acc_{k}") for k in range(steps)],
-                                  "max_acc_gap": max(gaps.values(), default=0.0)}
-        significant, noise = significant_gaps(gaps, acc, cfg.eval.acc_tolerance)
-        result["acc_gap_noise"] = [noise[k] for k in sorted(noise)]
+        result |= acc | greedy | {"sequences": len(val_seqs), "train_val_acc": [val.get(f"acc_{k}") for k in range(positions)]}
+        significant, noise = significant_gaps(acc, positions, cfg.eval.acc_tolerance)
         worst = max(significant, key=significant.get) if significant else None
         if worst is not None:
             flags.append(
-                f"eval: standalone acc_{worst}={acc[f'acc_{worst}']:.3f} is {gaps[worst]:.3f} below training's validation "
-                f"acc_{worst}={val[f'acc_{worst}']:.3f} (tolerance eval.acc_tolerance={cfg.eval.acc_tolerance}, sampling noise "
-                f"{noise[worst]:.3f} over {acc[f'positions_{worst}']} positions): train/serve mismatch. Likely causes: "
+                f"eval: on the same {len(val_seqs)} validation sequences, the draft fed what serving captures scores "
+                f"acc_{worst}={acc[f'acc_{worst}']:.3f}, {acc[f'acc_gap_{worst}']:.3f} below the "
+                f"{acc[f'trained_states_acc_{worst}']:.3f} it scores on the states it was trained on (tolerance "
+                f"eval.acc_tolerance={cfg.eval.acc_tolerance}, sampling noise {noise[worst]:.3f} over "
+                f"{acc[f'positions_{worst}']} positions): train/serve mismatch. Likely causes: "
                 + "; ".join(mismatch_causes(cfg, prov, layers, tokenizer_hash(Path(plan.target_dir))))
             )
         elif layers != prov.get("aux_layers"):
@@ -216,7 +227,7 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
         if steps > trained_steps:
             flags.append(f"eval: eval.draft_steps={steps} exceeds the draft's trained TTT depth {trained_steps}")
         result |= {"mismatch": bool(flags), "mismatch_flags": flags}
-    result["headline"] = {k: result[k] for k in ("acc_0", "train_val_acc_0", "expected_accept_length", "mismatch") if k in result}
+    result["headline"] = {k: result[k] for k in ("acc_0", "trained_states_acc_0", "expected_accept_length", "mismatch") if k in result}
     tracker.metrics({k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}, prefix="eval/")
     tracker.metrics({"mismatch": float(result["mismatch"])}, prefix="eval/")
     tracker.tags({"eval.mismatch": str(result["mismatch"]).lower()} | ({"eval.mismatch_flags": " | ".join(flags)} if flags else {}))

@@ -55,9 +55,8 @@ def server_command(cfg: RootConfig, target: Path, draft: Path | None, port: int)
            "--num-steps", str(s.num_steps), "--family", cfg.target.family, "--sglang-version", s.sglang_version]
     if draft:
         cmd += ["--draft", str(draft)]
-    if s.threads:
-        cmd += ["--threads", str(s.threads)]
-    return cmd
+    # the job's CPUs, unless serve.threads says otherwise (see pipeline.run_stage)
+    return cmd + ["--threads", str(s.threads or s.resources.cpus_per_task)]
 
 
 def run_server(cfg: RootConfig, mode: str, target: Path, draft: Path | None, prompts: list[list[int]], out: Path) -> dict[str, Any]:
@@ -101,9 +100,9 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
         ids = read_json(draft / "config.json", "draft config")["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     tracker.params({"serve.eagle_aux_hidden_state_layer_ids": json.dumps(ids)})
 
-    from orchestrator.targets import load_target
+    from transformers import AutoTokenizer
 
-    _, tokenizer = load_target(target, cfg.target.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=cfg.target.trust_remote_code)
     _, val_convs = conversations(cfg.data, cfg.seed)
     prompts = [prompt_ids(tokenizer, c, cfg.data.max_seq_len) for c in val_convs[: s.prompts]]
 
@@ -145,6 +144,10 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
         reached = [sum(histogram[j:]) for j in range(len(histogram))]
         result["accept_rate_by_position"] = [reached[k + 1] / reached[k] if reached[k] else 0.0 for k in range(len(histogram) - 1)]
         result["accept_histogram"] = histogram
+    # The serve cycle's profile, where the engine reports one (the reference engine's phases, mean ms each).
+    for mode in ("baseline", "speculative"):
+        for phase, ms in (servers[mode]["server_info"].get("phase_ms") or {}).items():
+            result[f"{mode}_{phase}_ms"] = ms
     eval_manifest = plan.dir("eval") / "manifest.json"
     if eval_manifest.exists():
         expected = read_json(eval_manifest, "eval manifest")["result"].get("expected_accept_length")

@@ -1,0 +1,73 @@
+"""The demo run N times: the spread of every figure the README quotes, as min / median / max.
+
+    .venv/bin/python scripts/repeat_demo.py [--runs 5] [hydra overrides...]
+
+The first run builds (or reuses) the target, the extraction and the draft; every run then evaluates and serves
+anew, so the spread is that of eval (deterministic: it should be none) and of the serve benchmark (timing
+noise). Also prints the serve cycle's profile (the reference engine's mean ms per phase). Writes
+outputs/repeat_demo.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from orchestrator import conf_dir
+from orchestrator.artifacts import write_json
+from orchestrator.config import load
+from orchestrator.pipeline import run_pipeline
+
+FIGURES = {
+    "train val acc_0": ("train", "val_acc_0"),
+    "train val acc_1": ("train", "val_acc_1"),
+    "train val acc_2": ("train", "val_acc_2"),
+    "eval acc_0 (served states)": ("eval", "acc_0"),
+    "eval acc_0 (trained states)": ("eval", "trained_states_acc_0"),
+    "eval acc_1 (served states)": ("eval", "acc_1"),
+    "eval acc_2 (served states)": ("eval", "acc_2"),
+    "eval expected accept length": ("eval", "expected_accept_length"),
+    "served accept length": ("serve", "accept_length"),
+    "baseline tok/s": ("serve", "baseline_tok_s"),
+    "speculative tok/s": ("serve", "spec_tok_s"),
+    "speedup": ("serve", "speedup"),
+    "baseline decode step, ms": ("serve", "baseline_decode_ms"),
+    "speculative verify pass, ms": ("serve", "speculative_verify_ms"),
+    "speculative draft chain, ms": ("serve", "speculative_draft_chain_ms"),
+    "speculative draft extend, ms": ("serve", "speculative_draft_extend_ms"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    args, overrides = parser.parse_known_args()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = load(compose("config", overrides=["+experiment=tiny_eagle3", "run_name=repeat_demo", *overrides]))
+    summaries = []
+    with tempfile.TemporaryDirectory() as runs:
+        for i in range(args.runs):
+            print(f"=== run {i + 1}/{args.runs}", flush=True)
+            summaries.append(run_pipeline(cfg, Path(runs) / str(i)))
+    flags = [f for s in summaries for f in s["mismatch_flags"]]
+    table = {}
+    for name, (stage, key) in FIGURES.items():
+        values = [s["stages"][stage][key] for s in summaries if key in s["stages"].get(stage, {})]
+        if values:
+            table[name] = {"min": min(values), "median": statistics.median(values), "max": max(values), "values": values}
+    write_json(cfg.outputs / "repeat_demo.json", {"runs": args.runs, "overrides": overrides, "figures": table, "mismatch_flags": flags})
+    print(f"\n{args.runs} runs of +experiment=tiny_eagle3 {' '.join(overrides)}")
+    print(f"{'figure':32s} {'min':>9s} {'median':>9s} {'max':>9s}")
+    for name, row in table.items():
+        print(f"{name:32s} {row['min']:9.3f} {row['median']:9.3f} {row['max']:9.3f}")
+    print(f"mismatch flags: {flags or 'none'}")
+    sys.exit(1 if flags else 0)
+
+
+if __name__ == "__main__":
+    main()
