@@ -27,13 +27,15 @@ class ArtifactError(ValueError):
 
 @contextmanager
 def atomic_path(final: Path) -> Iterator[Path]:
-    """Yields a temporary path beside `final`; renames it over `final` only if the block succeeds."""
+    """Yields a temporary path beside `final`; renames it over `final` only if the block succeeds. The file is
+    readable by others (0644, not mkstemp's 0600): an MLflow UI or a colleague may run as another user."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, final)
     finally:
         if os.path.exists(tmp):

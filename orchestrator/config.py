@@ -23,6 +23,8 @@ FAMILIES = ("llama", "deepseek_v3", "kimi_k25")
 ENGINES = ("reference", "sglang")
 CLUSTERS = ("local", "debug", "slurm")
 DTYPES = ("float32", "bfloat16", "float16")
+DATA_SETS = ("stdlib_chat", "jsonl")
+DATA_FORMATS = ("auto", "openai", "sharegpt")
 
 
 class ConfigError(ValueError):
@@ -82,7 +84,15 @@ class RegenerateConfig:
 @dataclass
 class DataConfig:
     name: str = MISSING
+    # stdlib_chat: a seeded sample of this many stdlib files (null: all of them).
     max_files: Optional[int] = MISSING
+    # jsonl: the user's conversation files, one JSON object per line (relative paths: from the working directory).
+    train_files: list[str] = MISSING
+    # Empty: `val_fraction` of the train files' conversations, picked under the seed, are held out instead.
+    val_files: list[str] = MISSING
+    val_fraction: Optional[float] = MISSING
+    # auto (each line by its key), openai (`messages`: role/content) or sharegpt (`conversations`: from/value).
+    format: str = MISSING
     max_train_conversations: int = MISSING
     max_val_conversations: int = MISSING
     max_seq_len: int = MISSING
@@ -115,6 +125,8 @@ class ExtractConfig:
     dtype: str = MISSING
     shard_conversations: int = MISSING
     batch_size: int = MISSING
+    # Refuse, before any job, an extraction whose estimated size (extract_storage) exceeds this many bytes.
+    max_bytes: float = MISSING
     resources: Resources = MISSING
 
 
@@ -285,6 +297,7 @@ def validate(cfg: RootConfig) -> None:
         layer_contract.validate_canonical(captured_layers(cfg), t.num_hidden_layers, key="extract.extra_layers")
     except layer_contract.LayerContractError as exc:
         raise ConfigError(str(exc)) from None
+    check_data(cfg.data)
     r = cfg.data.regenerate
     check(r.max_new_tokens >= 1, f"data.regenerate.max_new_tokens={r.max_new_tokens}: expected >= 1")
     check(r.temperature >= 0, f"data.regenerate.temperature={r.temperature}: expected >= 0 (0 = greedy)")
@@ -310,6 +323,38 @@ def validate(cfg: RootConfig) -> None:
         raise ConfigError(f"aux_layers={cfg.aux_layers} cannot be served by serve.engine={s.engine}: {exc}") from None
 
 
+def check_data(d: DataConfig) -> None:
+    """The data set's name and files; the files' existence is checked here, before any job, their content by
+    `orchestrator.data` when it reads them (naming file and line)."""
+    if d.name not in DATA_SETS:
+        raise ConfigError(f"data.name={d.name!r}: expected one of {DATA_SETS} (data=jsonl reads your own files)")
+    if d.format not in DATA_FORMATS:
+        raise ConfigError(f"data.format={d.format!r}: expected one of {DATA_FORMATS}")
+    if d.name == "stdlib_chat":
+        if d.train_files or d.val_files:
+            raise ConfigError(
+                f"data.train_files={d.train_files}, data.val_files={d.val_files}: data=stdlib_chat reads no files; "
+                "add `data=jsonl` to train on them"
+            )
+        return
+    if not d.train_files:
+        raise ConfigError("data.train_files=[]: data=jsonl needs at least one file, e.g. data.train_files=[chats.jsonl]")
+    if d.val_files and d.val_fraction is not None:
+        raise ConfigError(
+            f"data.val_files={d.val_files} and data.val_fraction={d.val_fraction}: take validation from the files "
+            "(add data.val_fraction=null) or split it off the train files (data.val_files=[])"
+        )
+    if not d.val_files and (d.val_fraction is None or not 0 < d.val_fraction < 1):
+        raise ConfigError(
+            f"data.val_fraction={d.val_fraction} with data.val_files=[]: expected a fraction in (0, 1) of the train "
+            "conversations to hold out, or validation files in data.val_files"
+        )
+    for key in ("train_files", "val_files"):
+        for i, file in enumerate(getattr(d, key)):
+            if not Path(file).is_file():
+                raise ConfigError(f"data.{key}[{i}]={file!r}: no such file (relative paths start at {Path.cwd()})")
+
+
 def check_speculative_args(s: ServeConfig) -> None:
     """EAGLE's steps / topk / draft tokens as SGLang takes them; `validate` and the SGLang launcher both call it."""
     if s.num_steps < 1:
@@ -323,6 +368,18 @@ def check_speculative_args(s: ServeConfig) -> None:
         )
     if s.num_draft_tokens < 2:
         raise ConfigError(f"serve.num_draft_tokens={s.num_draft_tokens}: expected >= 2 (the verified root plus at least one draft token)")
+
+
+def extract_storage(cfg: RootConfig) -> dict[str, Any]:
+    """What the extract stage will write, at most: every conversation at `data.max_seq_len` tokens, each token
+    with K captured states and the teacher state of `target.hidden_size` in `extract.dtype`, plus its id and mask."""
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.extract.dtype]
+    states = len(captured_layers(cfg)) + 1
+    per_token = states * cfg.target.hidden_size * dtype_bytes + 5  # int32 id + uint8 loss mask
+    conversations = cfg.data.max_train_conversations + cfg.data.max_val_conversations
+    tokens = conversations * cfg.data.max_seq_len
+    return {"conversations": conversations, "max_tokens": tokens, "states_per_token": states,
+            "bytes_per_token": per_token, "max_bytes": tokens * per_token, "limit_bytes": cfg.extract.max_bytes}
 
 
 def captured_layers(cfg: RootConfig) -> list[int]:

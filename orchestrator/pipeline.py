@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from orchestrator import layers as layer_contract
 from orchestrator import preflight, runner, tracking
 from orchestrator.artifacts import CODE_VERSION, MANIFEST, stable_hash, write_json
-from orchestrator.config import RootConfig, captured_layers
+from orchestrator.config import RootConfig, captured_layers, extract_storage
 from orchestrator.targets import target_dir
 
 
@@ -48,6 +48,7 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     extract = _subtree(cfg, "extract")
     extract["layers"] = captured_layers(cfg)  # what is captured decides the output, however it is split
     extract.pop("extra_layers")
+    extract.pop("max_bytes")  # a budget, not an input: the same shards whatever it is
     keys: dict[str, str] = {}
     keys["extract"] = stable_hash(
         {"target": target, "data": _subtree(cfg, "data"), "extract": extract, "seed": cfg.seed, "code": CODE_VERSION["extract"]}
@@ -129,6 +130,7 @@ def make_plan(cfg: RootConfig, run_dir: Path) -> Plan:
                 "cached": (dirs[stage] / MANIFEST).exists() and stage in ("extract", "train"),
                 "layer_ids": stage_layer_ids(cfg, stage),
             }
+            | ({"storage": extract_storage(cfg)} if stage == "extract" else {})
         )
     return plan
 
@@ -184,6 +186,12 @@ def print_plan(plan: Plan) -> None:
         res = f"{r['nodes']}x{r['gpus_per_node']} GPU, {r['cpus_per_task']} CPU, {r['mem_gb']} GB, {r['timeout_min']} min"
         table.add_row(s["stage"], s["job_name"], res, s["output"] + (" (cached)" if s["cached"] else ""), json.dumps(s["layer_ids"]))
     Console(width=200).print(table)
+    for s in plan.stages:
+        if "storage" in s:
+            st = s["storage"]
+            print(f"extract writes at most {st['max_bytes'] / 1e9:,.1f} GB: {st['max_tokens']:,} tokens x "
+                  f"{st['bytes_per_token']:,} bytes/token ({st['states_per_token']} states); extract.max_bytes="
+                  f"{st['limit_bytes'] / 1e9:,.1f} GB")
 
 
 def write_run_files(cfg: RootConfig, plan: Plan) -> None:

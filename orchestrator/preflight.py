@@ -15,11 +15,11 @@ from typing import Any
 
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import MANIFEST, read_json
-from orchestrator.config import RootConfig
+from orchestrator.config import RootConfig, extract_storage
 
 CATEGORIES = (
     "layer ids", "teacher kind", "tokenizer", "draft vocabulary", "draft config", "hidden sizes",
-    "speculative args", "draft steps",
+    "speculative args", "draft steps", "storage",
 )
 
 
@@ -37,7 +37,7 @@ class Finding:
 class PreflightError(ValueError):
     def __init__(self, findings: list[Finding]):
         self.findings = findings
-        super().__init__("preflight found train/serve mismatches:\n  - " + "\n  - ".join(str(f) for f in findings))
+        super().__init__("preflight refused the plan (nothing was submitted):\n  - " + "\n  - ".join(str(f) for f in findings))
 
 
 def serve_ids(cfg: RootConfig, layers: list[int]) -> list[int]:
@@ -76,6 +76,18 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
     if bad_flags:
         out.append(Finding("speculative args", False, f"serve.extra_args sets {bad_flags}",
                            "remove it: the algorithm is always EAGLE3 (EAGLE with an EAGLE-3 draft gives accept length 1.0)"))
+    if "extract" in cfg.stages:
+        st = extract_storage(cfg)
+        fits = st["max_bytes"] <= st["limit_bytes"]
+        out.append(Finding(
+            "storage", fits,
+            f"extraction writes at most {st['max_bytes'] / 1e9:,.1f} GB ({st['max_tokens']:,} tokens = {st['conversations']:,} "
+            f"conversations x data.max_seq_len={cfg.data.max_seq_len}, x {st['bytes_per_token']:,} bytes/token = "
+            f"{st['states_per_token']} states x hidden {cfg.target.hidden_size} x {cfg.extract.dtype}); "
+            f"extract.max_bytes={st['limit_bytes'] / 1e9:,.1f} GB",
+            "" if fits else "lower data.max_train_conversations or data.max_seq_len, capture fewer layers "
+            "(extract.extra_layers), or raise extract.max_bytes if the disk holds it",
+        ))
     deep = s.num_steps <= cfg.train.ttt_steps
     out.append(Finding(
         "draft steps", deep, f"serve.num_steps={s.num_steps}, train.ttt_steps={cfg.train.ttt_steps}",

@@ -34,6 +34,14 @@ def tracking_uri(uri: str | None, outputs: Path) -> str:
     return f"sqlite:///{outputs / 'mlflow.db'}"
 
 
+def artifact_root(uri: str, experiment: str) -> str | None:
+    """Artifacts of a sqlite store live beside it (`<store dir>/mlartifacts/<experiment>`), one root per store,
+    never in MLflow's default `./mlruns` under whatever folder the run started from. A server keeps its own."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri[len("sqlite:///") :]).parent / "mlartifacts" / experiment).resolve().as_uri()
+
+
 class Tracker:
     """Logs into one existing MLflow run by id."""
 
@@ -103,7 +111,7 @@ def ensure_store(uri: str, experiment: str) -> str:
     try:
         client = MlflowClient(tracking_uri=uri)
         exp = client.get_experiment_by_name(experiment)
-        return exp.experiment_id if exp else client.create_experiment(experiment)
+        return exp.experiment_id if exp else client.create_experiment(experiment, artifact_location=artifact_root(uri, experiment))
     finally:
         if lock:
             lock.release()

@@ -22,8 +22,14 @@ from orchestrator import conf_dir
 from orchestrator.artifacts import write_json
 from orchestrator.config import load
 from orchestrator.pipeline import run_pipeline
+from orchestrator.targets import target_dir
+from orchestrator.tiny import load_build_report
 
 FIGURES = {
+    "extract: regenerate, s": ("extract", "regenerate_s"),
+    "extract: tokens/s": ("extract", "tokens_per_s"),
+    "extract: bytes/token": ("extract", "bytes_per_token"),
+    "extract: response tokens/seq": ("extract", "loss_tokens_per_sequence"),
     "train val acc_0": ("train", "val_acc_0"),
     "train val acc_1": ("train", "val_acc_1"),
     "train val acc_2": ("train", "val_acc_2"),
@@ -61,7 +67,10 @@ def main() -> None:
         if values:
             table[name] = {"min": min(values), "median": statistics.median(values), "max": max(values), "values": values}
     write_json(cfg.outputs / "repeat_demo.json", {"runs": args.runs, "overrides": overrides, "figures": table, "mismatch_flags": flags})
+    report = load_build_report(target_dir(cfg))
     print(f"\n{args.runs} runs of +experiment=tiny_eagle3 {' '.join(overrides)}")
+    print(f"target {cfg.target.name}: held-out loss {report['heldout_loss']:.2f} (uniform {report['uniform_loss']:.2f}), "
+          f"built in {report['total_seconds']:.0f} s with {report['environment']}")
     print(f"{'figure':32s} {'min':>9s} {'median':>9s} {'max':>9s}")
     for name, row in table.items():
         print(f"{name:32s} {row['min']:9.3f} {row['median']:9.3f} {row['max']:9.3f}")

@@ -124,3 +124,17 @@ def test_cli_out_of_range_fails_before_any_job(tmp_path):
     assert proc.returncode == 2
     assert "aux_layers" in proc.stderr and "99" in proc.stderr and "-1 (embedding output) .. 7" in proc.stderr
     assert not list(tmp_path.rglob("jobs")) and not list(tmp_path.rglob("plan.json"))
+
+
+def test_dry_run_prints_the_extraction_storage_and_an_over_budget_plan_is_refused(tmp_path):
+    proc = _cli(["+experiment=kimi_eagle3", "dry_run=true"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    # 2,200 conversations x 2048 tokens, each token 4 states (3 aux + teacher) x 7168 x 2 bytes + id and mask
+    assert "extract writes at most 258.4 GB: 4,505,600 tokens x 57,349 bytes/token (4 states)" in proc.stdout
+    plan = json.loads(next(tmp_path.rglob("plan.json")).read_text())
+    assert plan["stages"][0]["storage"]["max_bytes"] == 4_505_600 * 57_349
+
+    refused = _cli(["+experiment=kimi_eagle3", "dry_run=true", "extract.max_bytes=1e10"], tmp_path / "refused")
+    assert refused.returncode != 0
+    assert "[storage] extraction writes at most 258.4 GB" in refused.stderr and "extract.max_bytes=10.0 GB" in refused.stderr
+    assert not list((tmp_path / "refused").rglob("plan.json")), "refused before anything is written"

@@ -11,8 +11,9 @@ from safetensors.torch import load_file
 from orchestrator.pipeline import make_plan, run_pipeline
 
 
-def test_extract_then_reuse(tiny_config, tmp_path):
+def test_extract_then_reuse(tiny_config, tmp_path, monkeypatch):
     cfg = tiny_config("stages=[extract]", "cluster=local")
+    monkeypatch.chdir(tmp_path)
     summary = run_pipeline(cfg, tmp_path / "first")
     extract = summary["stages"]["extract"]
     assert extract["tokens"] > 0 and extract["tokens_per_s"] > 0
@@ -29,6 +30,11 @@ def test_extract_then_reuse(tiny_config, tmp_path):
     assert manifest["splits"]["train"]["num_tokens"] == int(kept["seq_lens"].sum()) == len(kept["input_ids"])
     run = MlflowClient(summary["tracking_uri"]).get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED"
+    # artifacts beside the store under outputs/, readable by others; nothing in the working directory
+    artifacts = Path(run.info.artifact_uri.removeprefix("file://"))
+    assert artifacts.is_relative_to(cfg.outputs / "mlartifacts"), run.info.artifact_uri
+    assert (artifacts / "summary.json").stat().st_mode & 0o777 == 0o644
+    assert not (tmp_path / "mlruns").exists()
     assert run.data.metrics["extract/tokens_per_s"] > 0 and run.data.metrics["extract/bytes_per_token"] > 0
     assert run.data.tags["aux_layers"] == "[1, 4, 6]"
     assert run.data.params["aux_layers"] == "[1, 4, 6]"
