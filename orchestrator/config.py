@@ -353,6 +353,8 @@ def check_data(d: DataConfig) -> None:
         for i, file in enumerate(getattr(d, key)):
             if not Path(file).is_file():
                 raise ConfigError(f"data.{key}[{i}]={file!r}: no such file (relative paths start at {Path.cwd()})")
+        # absolute from here on: a job may start in another working directory (Slurm, submitit)
+        setattr(d, key, [str(Path(file).resolve()) for file in getattr(d, key)])
 
 
 def check_speculative_args(s: ServeConfig) -> None:

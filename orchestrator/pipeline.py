@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from orchestrator import layers as layer_contract
 from orchestrator import preflight, runner, tracking
-from orchestrator.artifacts import CODE_VERSION, MANIFEST, stable_hash, write_json
+from orchestrator.artifacts import CODE_VERSION, MANIFEST, file_sha256, stable_hash, write_json
 from orchestrator.config import RootConfig, captured_layers, extract_storage
 from orchestrator.targets import target_dir
 
@@ -49,9 +49,12 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     extract["layers"] = captured_layers(cfg)  # what is captured decides the output, however it is split
     extract.pop("extra_layers")
     extract.pop("max_bytes")  # a budget, not an input: the same shards whatever it is
+    data = _subtree(cfg, "data")
+    # a user's file edited in place is another data set: its content, not its path, keys the extraction
+    data["file_sha256"] = [file_sha256(Path(f)) for f in [*cfg.data.train_files, *cfg.data.val_files]]
     keys: dict[str, str] = {}
     keys["extract"] = stable_hash(
-        {"target": target, "data": _subtree(cfg, "data"), "extract": extract, "seed": cfg.seed, "code": CODE_VERSION["extract"]}
+        {"target": target, "data": data, "extract": extract, "seed": cfg.seed, "code": CODE_VERSION["extract"]}
     )
     keys["train"] = stable_hash(
         {"extract": keys["extract"], "draft": _subtree(cfg, "draft"), "train": _subtree(cfg, "train"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -62,7 +63,7 @@ def test_jsonl_config_composes_loads_and_splits_under_the_seed(jsonl_config):
 def test_the_default_is_the_sample_from_the_repository_root(monkeypatch, jsonl_config):
     monkeypatch.chdir(REPO)
     cfg = jsonl_config()
-    assert cfg.data.train_files == ["data/sample_chat.jsonl"]
+    assert cfg.data.train_files == [str(OPENAI)]
     assert sum(map(len, conversations(cfg.data, cfg.seed))) == 40
 
 
@@ -138,3 +139,17 @@ def test_a_bad_data_config_fails_at_load_naming_the_key(tmp_path, overrides, fra
     values = {"missing": str(tmp_path / "missing.jsonl"), "sample": str(OPENAI)}
     with pytest.raises(ConfigError, match=re.escape(fragment.format(**values))):
         jsonl_config(*(o.format(**values) for o in overrides))
+
+
+def test_a_data_file_edited_in_place_is_a_new_extraction(tmp_path, tiny_config):
+    """The extraction's cache key follows the files' content, and paths are made absolute at load."""
+    from orchestrator.pipeline import stage_keys
+
+    chats = tmp_path / "chats.jsonl"
+    shutil.copy(OPENAI, chats)
+    cfg = tiny_config("data=jsonl", f"data.train_files=[{chats}]")
+    assert cfg.data.train_files == [str(chats.resolve())]
+    before = stage_keys(cfg)["extract"]
+    assert stage_keys(tiny_config("data=jsonl", f"data.train_files=[{chats}]"))["extract"] == before
+    chats.write_text("\n".join(chats.read_text().splitlines()[:-1]) + "\n")
+    assert stage_keys(tiny_config("data=jsonl", f"data.train_files=[{chats}]"))["extract"] != before
