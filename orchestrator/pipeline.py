@@ -162,17 +162,21 @@ def run_stage(stage: str, cfg: RootConfig, plan: Plan, run_id: str, finalize: bo
 
 
 def finish(cfg: RootConfig, plan: Plan, tracker: tracking.Tracker) -> dict[str, Any]:
-    """Writes `summary.json` from the stages' manifests and closes the MLflow run."""
+    """Writes `summary.json` from the stages' manifests, gives the MLflow run the metrics of its cached stages
+    and its note, and closes it."""
     results = {}
     for entry in plan.stages:
         manifest = plan.dir(entry["stage"]) / MANIFEST
         results[entry["stage"]] = json.loads(manifest.read_text()).get("result", {}) if manifest.exists() else {}
         if entry["cached"]:
+            tracking.relog_cached(tracker, entry["stage"], plan.dir(entry["stage"]), results[entry["stage"]])
             results[entry["stage"]]["cached"] = True
     summary = build_summary(cfg, plan, results, tracker.run_id)
+    summary["mlflow_url"] = tracker.url()
     write_json(Path(plan.run_dir) / "summary.json", summary)
     tracker.artifact(Path(plan.run_dir) / "summary.json")
     tracker.tags({"mismatch": str(bool(summary["mismatch_flags"])).lower()})
+    tracker.note(tracking.run_note(summary))
     tracker.finish()
     return summary
 
@@ -229,6 +233,7 @@ def run_pipeline(cfg: RootConfig, run_dir: Path, sweep_dir: Path | None = None) 
     tracker = tracking.start_pipeline_run(
         plan.tracking_uri, cfg.tracking.experiment, cfg.run_name, tracking.resolved_container(cfg),
         list(cfg.aux_layers), Path(plan.run_dir), parent_run_id=parent,
+        cached=[e["stage"] for e in plan.stages if e["cached"]],
     )
     blocking = cfg.cluster.kind in ("local", "debug")
     todo = [e for e in plan.stages if not e["cached"]]
@@ -334,6 +339,9 @@ def print_summary(summary: dict[str, Any]) -> None:
         table.add_row(stage, ", ".join(f"{k}={_fmt(v)}" for k, v in headline.items()))
     table.add_row("mismatch", "; ".join(summary["mismatch_flags"]) or "none")
     Console(width=200).print(table)
+    print(f"MLflow run: {summary['mlflow_url']}")
+    if summary["tracking_uri"].startswith("sqlite:///"):
+        print(f"  served by: .venv/bin/mlflow ui --backend-store-uri {summary['tracking_uri']} --host 127.0.0.1 --port 5000")
 
 
 def _fmt(v: Any) -> str:

@@ -3,6 +3,10 @@
 One MLflow run per pipeline run. Stage jobs log into it by run id from their own processes (on Slurm, from
 other machines), so everything here goes through an `MlflowClient` with an explicit tracking URI; the fluent
 "active run" API is never used. A sweep's runs are children of one parent run (the `mlflow.parentRunId` tag).
+
+What a researcher compares in the UI is decided here too: the run's name (`run_label`), its note
+(`run_note`), the few params that decide a result (`CURATED_PARAMS`) and each stage's MLflow metric names
+(`stage_metrics`, `train_step_metrics`, `train_val_metrics`), which the README's MLflow section defines.
 """
 
 from __future__ import annotations
@@ -10,8 +14,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
@@ -51,8 +56,6 @@ class Tracker:
         self.client = MlflowClient(tracking_uri=uri)
 
     def metrics(self, metrics: Mapping[str, float], step: int | None = None, prefix: str = "") -> None:
-        import time
-
         now = int(time.time() * 1000)
         batch = [
             Metric(f"{prefix}{k}", float(v), now, step or 0)
@@ -74,6 +77,26 @@ class Tracker:
 
     def artifact(self, path: Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def stage_result(self, stage: str, result: Mapping[str, Any]) -> None:
+        """A finished stage's metrics, under the names `stage_metrics` gives them."""
+        self.metrics(stage_metrics(stage, result))
+
+    def train_step(self, step: int, loss: float, lr: float, tokens_per_s: float, stats: Mapping[str, float]) -> None:
+        self.metrics(train_step_metrics(loss, lr, tokens_per_s, stats), step=step)
+
+    def train_validation(self, step: int, val: Mapping[str, Any]) -> None:
+        self.metrics(train_val_metrics(val), step=step)
+
+    def note(self, markdown: str) -> None:
+        """The run's description in the UI (MLflow's note)."""
+        self.tags({NOTE_TAG: markdown})
+
+    def rename(self, name: str) -> None:
+        self.client.update_run(self.run_id, name=name)
+
+    def url(self) -> str:
+        return run_url(self.uri, self.client.get_run(self.run_id).info.experiment_id, self.run_id)
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status)
@@ -111,7 +134,10 @@ def ensure_store(uri: str, experiment: str) -> str:
     try:
         client = MlflowClient(tracking_uri=uri)
         exp = client.get_experiment_by_name(experiment)
-        return exp.experiment_id if exp else client.create_experiment(experiment, artifact_location=artifact_root(uri, experiment))
+        experiment_id = exp.experiment_id if exp else client.create_experiment(experiment, artifact_location=artifact_root(uri, experiment))
+        if not exp or exp.tags.get(RUNS_VIEW_TAG) != RUNS_VIEW:
+            client.set_experiment_tag(experiment_id, RUNS_VIEW_TAG, RUNS_VIEW)
+        return experiment_id
     finally:
         if lock:
             lock.release()
@@ -125,16 +151,22 @@ def start_pipeline_run(
     aux_layers: list[int],
     run_dir: Path,
     parent_run_id: str | None = None,
+    cached: Sequence[str] = (),
 ) -> Tracker:
-    """Creates the pipeline's run: flattened config as params, aux_layers as a tag, the config as an artifact."""
+    """Creates the pipeline's run, named by what differs between runs (`run_label`), with the curated params,
+    aux_layers as a tag, a note saying what runs, and the full resolved config as an artifact. `run_name` (the
+    config's name) stays a tag; `cached` are the stages reused from the cache."""
     experiment_id = ensure_store(uri, experiment)
     client = MlflowClient(tracking_uri=uri)
-    tags = {"aux_layers": json.dumps(aux_layers), "run_dir": str(run_dir)}
+    tags = {"aux_layers": json.dumps(aux_layers), "run_dir": str(run_dir), "run_name": run_name}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
-    run = client.create_run(experiment_id, run_name=run_name, tags=tags)
+    run = client.create_run(experiment_id, tags=tags)
     tracker = Tracker(uri, run.info.run_id)
-    tracker.params(flatten(resolved_config))
+    label = run_label(aux_layers, resolved_config.get("seed"), run.info.run_id, cached) if aux_layers else run_name
+    tracker.rename(label)
+    tracker.params(curated_params(resolved_config))
+    tracker.note(f"### {label}\n\nRunning; cached: {', '.join(cached) or 'none'}. `{run_dir}`")
     config_file = Path(run_dir) / "config.yaml"
     if config_file.exists():
         tracker.artifact(config_file)
@@ -159,5 +191,163 @@ def sweep_parent_run(uri: str, experiment: str, sweep_dir: Path, name: str) -> s
         return run.info.run_id
 
 
+def run_url(uri: str, experiment_id: str, run_id: str | None = None) -> str:
+    """The UI's page for the experiment's runs table, with the comparison's columns (`RUNS_VIEW`), or one run's
+    page. MLflow 3.17's UI opens an experiment on its GenAI pages unless `workflowType=machine_learning` is in
+    the URL. A sqlite store is served by `mlflow ui`, at 127.0.0.1:5000 by default."""
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else UI_DEFAULT
+    if run_id:
+        return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?{UI_WORKFLOW}"
+    return f"{base}/#/experiments/{experiment_id}/runs?{UI_WORKFLOW}&viewStateShareKey={RUNS_VIEW_KEY}"
+
+
 def resolved_container(cfg: Any) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+# ---- What a researcher compares in the UI -----------------------------------------------------------------
+
+NOTE_TAG = "mlflow.note.content"  # the run's description in the UI
+UI_DEFAULT = "http://127.0.0.1:5000"
+UI_WORKFLOW = "workflowType=machine_learning"
+# The runs table's columns for comparing layer choices, as an MLflow UI "shared view" (an experiment tag that
+# `?viewStateShareKey=` loads): the layers, the draft's accuracy as served, accept length and speedup.
+RUNS_VIEW_KEY = "compare-layers"
+RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
+RUNS_VIEW_COLUMNS = [
+    "params.`aux_layers`", "metrics.`eval/acc_0`", "metrics.`train/val_acc_0`", "metrics.`serve/accept_length`",
+    "metrics.`eval/expected_accept_length`", "metrics.`serve/speedup`", "metrics.`serve/speedup_min`",
+    "metrics.`serve/speedup_max`", "metrics.`eval/mismatch`",
+]
+RUNS_VIEW = json.dumps({"selectedColumns": RUNS_VIEW_COLUMNS, "columnOrder": RUNS_VIEW_COLUMNS})
+
+# The config keys that decide a result, logged as params under their config path; the full resolved config is
+# the `config.yaml` artifact. The layer list appears once (`aux_layers`): every stage takes it.
+CURATED_PARAMS = (
+    "aux_layers", "target.name", "data.name", "data.regenerate.enabled", "data.max_seq_len",
+    "draft.draft_vocab_size", "train.ttt_steps", "train.lr", "train.epochs", "train.max_steps", "train.batch_size",
+    "serve.engine", "serve.num_steps", "serve.eagle_topk", "serve.num_draft_tokens", "serve.repeats", "seed",
+)
+
+
+def layers_label(layers: Iterable[int]) -> str:
+    """`L1-4-6`; the embedding output (-1) reads `emb`: `Lemb-2-30`."""
+    return "L" + "-".join("emb" if k == -1 else str(k) for k in layers)
+
+
+def run_label(aux_layers: list[int], seed: Any, run_id: str, cached: Sequence[str] = ()) -> str:
+    """`L1-4-6 · s0 · 3f9a2c`, then `· cached extract+train` when stages were reused: what differs between the
+    points of a sweep, and a short id that tells identical configurations apart."""
+    parts = [layers_label(aux_layers), f"s{seed}", run_id[:6]]
+    if cached:
+        parts.append("cached " + "+".join(cached))
+    return " · ".join(parts)
+
+
+def curated_params(resolved: Mapping[str, Any]) -> dict[str, str]:
+    """The CURATED_PARAMS found in the resolved config; lists read `1, 4, 6` (the UI draws JSON lists as trees)."""
+    flat = flatten(resolved)
+    return {k: ", ".join(map(str, flat[k])) if isinstance(flat[k], list) else flat[k] for k in CURATED_PARAMS if k in flat}
+
+
+def _numbers(values: Mapping[str, Any], keys: Iterable[str]) -> dict[str, float]:
+    return {k: float(values[k]) for k in keys if isinstance(values.get(k), (int, float)) and not isinstance(values.get(k), bool)}
+
+
+def _positions(values: Mapping[str, Any], stem: str) -> list[str]:
+    return sorted((k for k in values if k.startswith(stem) and k[len(stem):].isdigit()), key=lambda k: int(k[len(stem):]))
+
+
+def train_step_metrics(loss: float, lr: float, tokens_per_s: float, stats: Mapping[str, float]) -> dict[str, float]:
+    """`train/*` at a training step: the loss and the teacher-forced accuracies of that batch."""
+    tf = {f"train/teacher_forced_{k}": v for k, v in stats.items() if k in _positions(stats, "acc_")}
+    return {"train/loss": loss, "train/lr": lr, "train/tokens_per_s": tokens_per_s} | tf
+
+
+def train_val_metrics(val: Mapping[str, Any]) -> dict[str, float]:
+    """`train/val_*` at a validation step: the draft drafting from its own tokens, as served."""
+    keys = ["loss", *_positions(val, "acc_"), "expected_accept_length"]
+    return {f"train/val_{k}": v for k, v in _numbers(val, keys).items()}
+
+
+def stage_metrics(stage: str, result: Mapping[str, Any]) -> dict[str, float]:
+    """A stage's MLflow metrics from its result (the one in its manifest), each quantity once: the live stage
+    and a cached extraction's re-log (`relog_cached`) log the same names. Training logs as it goes
+    (`train_step_metrics`, `train_val_metrics`)."""
+    if stage == "extract":
+        keys = ("tokens", "tokens_per_s", "bytes_per_token", "regenerate_s", "loss_tokens_per_sequence")
+        out = _numbers(result, keys)
+    elif stage == "eval":
+        keys = [*_positions(result, "acc_"), *_positions(result, "trained_states_acc_"), *_positions(result, "acc_gap_"),
+                *_positions(result, "acc_gap_se_"), "expected_accept_length", "sequences", "verify_passes"]
+        out = _numbers(result, keys) | {"mismatch": float(bool(result.get("mismatch")))}
+    elif stage == "serve":
+        out = _serve_metrics(result)
+    else:
+        raise ValueError(f"no MLflow metrics defined for stage {stage!r}")
+    return {f"{stage}/{k}": v for k, v in out.items()}
+
+
+def _serve_metrics(result: Mapping[str, Any]) -> dict[str, float]:
+    rows = result.get("per_concurrency", [])
+    out = _numbers(result, ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length", "accept_length_rel_diff"))
+    if rows:
+        head = rows[0]
+        out |= _numbers(head, ("baseline_latency_mean_s", "spec_latency_mean_s")) | _spread(head)
+    out |= {k: float(v) for k, v in result.items() if k.endswith("_ms") and isinstance(v, (int, float))}
+    out |= {f"accept_rate_{i}": r for i, r in enumerate(result.get("accept_rate_by_position", []))}
+    for row in rows[1:]:  # the headline is the first concurrency; others get their own names
+        out |= {f"c{row['concurrency']}_{k}": v for k, v in _numbers(row, ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length")).items()}
+    out["greedy_outputs_identical"] = float(bool(result.get("greedy_outputs_identical")))
+    out["mismatch"] = float(bool(result.get("mismatch")))
+    return out
+
+
+def _spread(row: Mapping[str, Any]) -> dict[str, float]:
+    """Min and max of tok/s over the `serve.repeats` passes, and the speedup's range from them (slowest
+    speculative pass over fastest baseline pass, and the reverse): a layer difference inside it is noise."""
+    base, spec = row.get("baseline_tok_s_passes") or [], row.get("spec_tok_s_passes") or []
+    if not base or not spec:
+        return {}
+    return {"baseline_tok_s_min": min(base), "baseline_tok_s_max": max(base), "spec_tok_s_min": min(spec),
+            "spec_tok_s_max": max(spec), "speedup_min": min(spec) / max(base), "speedup_max": max(spec) / min(base)}
+
+
+def relog_cached(tracker: Tracker, stage: str, stage_dir: Path, result: Mapping[str, Any]) -> None:
+    """A cached extraction or draft gives this run the metrics (and the training's validation curve and
+    accuracy plot) that the run which produced it logged, so the compare view shows no hole for it."""
+    stage_dir = Path(stage_dir)
+    if stage == "train":  # training writes metrics.json and the plot before its manifest
+        for entry in json.loads((stage_dir / "metrics.json").read_text())["history"]:
+            tracker.train_validation(entry["step"], entry)
+        tracker.artifact(stage_dir / "accuracy_by_position.png", "train")
+    else:
+        tracker.stage_result(stage, result)
+
+
+def run_note(summary: Mapping[str, Any]) -> str:
+    """The run's description: a markdown headline of what the run measured, and any mismatch in full."""
+    stages = summary["stages"]
+    train, ev, serve = (stages.get(s, {}) for s in ("train", "eval", "serve"))
+    rows = [("layers (aux_layers)", ", ".join(map(str, summary["aux_layers"])))]
+    own = [ev[k] for k in _positions(ev, "acc_")] or [train[k] for k in _positions(train, "val_acc_")]
+    if own:
+        source = "eval, exported draft on the live target" if "acc_0" in ev else "training validation"
+        rows.append((f"acc_0..{len(own) - 1} (own tokens; {source})", " / ".join(f"{a:.3f}" for a in own)))
+    if "accept_length" in serve:
+        rows.append(("accept length, served (tokens per verify pass, bonus included)", f"{serve['accept_length']:.2f}"))
+    expected = ev.get("expected_accept_length", train.get("val_expected_accept_length"))
+    if expected is not None:
+        rows.append(("expected accept length (eval)" if "expected_accept_length" in ev else "expected accept length (training)", f"{expected:.2f}"))
+    if "speedup" in serve:
+        spread = _spread((serve.get("per_concurrency") or [{}])[0])
+        span = f" (range {spread['speedup_min']:.2f}-{spread['speedup_max']:.2f} over the passes)" if spread else ""
+        rows.append(("speedup, speculative / baseline tok/s (median pass)", f"**{serve['speedup']:.2f}x**{span}"))
+        rows.append(("tok/s baseline / speculative", f"{serve['baseline_tok_s']:.0f} / {serve['spec_tok_s']:.0f}"))
+    cached = [s for s, r in stages.items() if r.get("cached")]
+    rows.append(("cached stages", ", ".join(cached) or "none"))
+    flags = summary.get("mismatch_flags") or []
+    rows.append(("mismatch", "**yes**, see below" if flags else "none"))
+    table = "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+    details = "".join(f"\n- {f}" for f in flags)
+    return f"{table}\n{details}".rstrip() + "\n"

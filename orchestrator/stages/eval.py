@@ -228,8 +228,7 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
             flags.append(f"eval: eval.draft_steps={steps} exceeds the draft's trained TTT depth {trained_steps}")
         result |= {"mismatch": bool(flags), "mismatch_flags": flags}
     result["headline"] = {k: result[k] for k in ("acc_0", "trained_states_acc_0", "expected_accept_length", "mismatch") if k in result}
-    tracker.metrics({k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}, prefix="eval/")
-    tracker.metrics({"mismatch": float(result["mismatch"])}, prefix="eval/")
+    tracker.stage_result("eval", result)
     tracker.tags({"eval.mismatch": str(result["mismatch"]).lower()} | ({"eval.mismatch_flags": " | ".join(flags)} if flags else {}))
     write_json(out / "eval.json", result)
     write_manifest(out, {"stage": "eval", "key": plan.stage_keys["eval"], "result": result})

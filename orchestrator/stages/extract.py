@@ -137,7 +137,7 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
             "result": result,
         },
     )
-    tracker.metrics({k: v for k, v in result.items() if isinstance(v, (int, float))}, prefix="extract/")
+    tracker.stage_result("extract", result)
     return result
 
 

@@ -98,7 +98,7 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
             raise
         flags.append(f"serve: guard off, serving anyway a draft the guard refuses: {exc}")
         ids = read_json(draft / "config.json", "draft config")["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    tracker.params({"serve.eagle_aux_hidden_state_layer_ids": json.dumps(ids)})
+    tracker.tags({"serve.eagle_aux_hidden_state_layer_ids": json.dumps(ids)})  # the layers' param is aux_layers
 
     from transformers import AutoTokenizer
 
@@ -165,14 +165,7 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
     result["mismatch_flags"] = flags
     result["headline"] = {k: result.get(k) for k in ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length", "eval_expected_accept_length", "greedy_outputs_identical")}
 
-    metrics = {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    metrics["mismatch"] = float(result["mismatch"])
-    metrics["greedy_outputs_identical"] = float(identical)
-    for i, rate in enumerate(result.get("accept_rate_by_position", [])):
-        metrics[f"accept_rate_{i}"] = rate
-    for row in per_concurrency:
-        metrics |= {f"c{row['concurrency']}_{k}": v for k, v in row.items() if isinstance(v, float)}
-    tracker.metrics(metrics, prefix="serve/")
+    tracker.stage_result("serve", result)
     tracker.tags({"serve.mismatch": str(result["mismatch"]).lower()})
     detail = {"result": result, "servers": {m: {k: v for k, v in srv.items() if k != "runs"} | {"runs": [{k: v for k, v in r.items() if k != "output_ids"} for r in srv["runs"]]} for m, srv in servers.items()}}
     write_json(out / "serve.json", detail)
