@@ -147,3 +147,64 @@ def test_validator_catches(tmp_path, breakage, fragment):
     save_file(weights, str(folder / "model.safetensors"))
     problems = E.validate_draft_dir(folder, TARGET_CONFIG)
     assert any(fragment in p for p in problems), problems
+
+
+def _reference_unroll(draft, aux, next_ids, valid, steps, token_source=None):
+    """The unroll as first written, with an explicit [B, h, L, L] score tensor per step: the oracle for the
+    memory-efficient one."""
+    import math
+
+    b, length, _ = aux.shape
+    positions = torch.arange(length).expand(b, length)
+    mask0 = torch.ones(length, length, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
+    attn = draft.midlayer.self_attn
+    scale = 1.0 / math.sqrt(attn.head_dim)
+    h = draft.fc(aux.to(draft.fc.weight.dtype))
+    ids, keys0, vals0, chain_k, chain_v, logits_out, tokens_out = next_ids, None, None, [], [], [], []
+    for k in range(steps):
+        x = draft.midlayer.attn_input(draft.embed_tokens(ids), h)
+        q, key, val = attn.qkv(x, positions + k)
+        if k == 0:
+            keys0, vals0 = key, val
+            probs = ((q @ keys0.transpose(-1, -2)) * scale).masked_fill(~mask0, float("-inf")).softmax(-1)
+            ctx = probs @ vals0
+        else:
+            chain_k.append(key)
+            chain_v.append(val)
+            causal_scores = ((q @ keys0.transpose(-1, -2)) * scale).masked_fill(~mask0, float("-inf"))
+            diag = torch.stack([(q * ck).sum(-1) for ck in chain_k], dim=-1) * scale
+            probs = torch.cat([causal_scores, diag], dim=-1).softmax(-1)
+            ctx = probs[..., :length] @ vals0
+            for j, cv in enumerate(chain_v):
+                ctx = ctx + probs[..., length + j, None] * cv
+        h = draft.midlayer.finish(h, attn.out(ctx))
+        logits = draft.logits(h)
+        tokens = draft.to_target_ids(logits.argmax(-1))
+        logits_out.append(logits)
+        tokens_out.append(tokens)
+        if k + 1 < steps:
+            ids = tokens if token_source is None else token_source(k, tokens)
+    return logits_out, tokens_out
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_unroll_equals_explicit_score_reference_with_padding(forced):
+    """The SDPA unroll gives the explicit-score unroll's logits, tokens and gradients, padded positions included."""
+    draft = make_draft().train()
+    torch.manual_seed(1)
+    steps, length = 5, 17
+    aux, ids = torch.randn(3, length, 96), torch.randint(0, 50, (3, length))
+    valid = torch.arange(length)[None] < torch.tensor([length, 9, 4])[:, None]
+    texts = torch.randint(0, 50, (steps, 3, length))
+    source = (lambda k, _tokens: texts[k]) if forced else None
+    params = [p for p in draft.parameters() if p.requires_grad]
+
+    new = draft.unroll(aux, ids, valid, steps, token_source=source)
+    ref_logits, ref_tokens = _reference_unroll(draft, aux, ids, valid, steps, token_source=source)
+    for k in range(steps):
+        torch.testing.assert_close(new.logits[k], ref_logits[k], rtol=1e-5, atol=1e-5)
+        assert torch.equal(new.tokens[k], ref_tokens[k]), k
+    new_grads = torch.autograd.grad(sum(x.square().sum() for x in new.logits), params)
+    ref_grads = torch.autograd.grad(sum(x.square().sum() for x in ref_logits), params)
+    for a, b in zip(new_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))

@@ -190,7 +190,7 @@ def target_weights_forbidden(trained, monkeypatch):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_model)
     for module in (safetensors, safetensors.torch, orchestrator.stages.train):
         monkeypatch.setattr(module, "safe_open", guard(module.safe_open), raising=False)
-    for module in (safetensors.torch, orchestrator.stages.extract, orchestrator.stages.train, orchestrator.draft.export):
+    for module in (safetensors.torch, orchestrator.stages.extract, orchestrator.draft.export):
         monkeypatch.setattr(module, "load_file", guard(module.load_file))
 
 

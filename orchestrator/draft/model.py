@@ -205,14 +205,11 @@ class Eagle3Draft(nn.Module):
         """
         b, length, _ = aux.shape
         positions = torch.arange(length, device=aux.device).expand(b, length)
-        causal = torch.ones(length, length, dtype=torch.bool, device=aux.device).tril()
-        mask0 = causal[None, None] & valid[:, None, None, :]
         attn = self.midlayer.self_attn
-        scale = 1.0 / math.sqrt(attn.head_dim)
 
         h = self.fc(aux.to(self.fc.weight.dtype))
         ids = next_ids
-        keys0 = vals0 = None
+        keys = vals = None
         chain_k: list[torch.Tensor] = []
         chain_v: list[torch.Tensor] = []
         out_logits, out_tokens = [], []
@@ -220,20 +217,11 @@ class Eagle3Draft(nn.Module):
             x = self.midlayer.attn_input(self.embed_tokens(ids), h)
             q, key, val = attn.qkv(x, positions + k)
             if k == 0:
-                keys0, vals0 = key, val
-                scores = (q @ keys0.transpose(-1, -2)) * scale
-                scores = scores.masked_fill(~mask0, float("-inf"))
-                probs = scores.softmax(-1)
-                ctx = probs @ vals0
+                keys, vals = _ttt_keys(key, val, valid, steps - 1)
             else:
                 chain_k.append(key)
                 chain_v.append(val)
-                causal_scores = ((q @ keys0.transpose(-1, -2)) * scale).masked_fill(~mask0, float("-inf"))
-                diag = torch.stack([(q * ck).sum(-1) for ck in chain_k], dim=-1) * scale  # [B, h, L, k]
-                probs = torch.cat([causal_scores, diag], dim=-1).softmax(-1)
-                ctx = probs[..., :length] @ vals0
-                for j, cv in enumerate(chain_v):
-                    ctx = ctx + probs[..., length + j, None] * cv
+            ctx = _ttt_attention(q, keys, vals, chain_k, chain_v, steps - 1)
             h = self.midlayer.finish(h, attn.out(ctx))
             logits = self.logits(h)
             tokens = self.to_target_ids(logits.argmax(-1))
@@ -284,6 +272,56 @@ class Eagle3Draft(nn.Module):
             tokens.append(int(token))
         cache.crop(committed)
         return tokens
+
+
+# TTT attention without an [L, L] score tensor. Step k at t attends to step 0's keys at valid positions <= t and to
+# its own chain's keys (steps 1..k at t): one softmax over both. The chain's keys differ per query, so each becomes a
+# "slot" key shared by all queries whose score is carried by the query: an extra coordinate of the query holds
+# q . k_j (its own chain key j), the slot key holds 1 there, and the slot's value is one-hot in a column of its own,
+# so that column of the output is the softmax weight of chain key j, which then scales that query's own value j.
+# A further coordinate (query 1, key 0 or a huge negative) drops padded keys. Slots sit before step 0's keys, in
+# reverse order, so that with k slots in use the keys start at the first of them and one causal SDPA, its queries
+# preceded by k rows that are thrown away, gives each query every slot and step 0's keys up to its own position.
+# The extra columns are zero in step 0's keys and values, so scores and outputs there are unchanged.
+def _ttt_width(head_dim: int, slots: int) -> int:
+    return -(-(head_dim + 1 + slots) // 8) * 8  # a multiple of 8, as fused attention kernels want
+
+
+def _ttt_keys(key: torch.Tensor, val: torch.Tensor, valid: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 0's keys and values [B, h, L, D] widened, after `slots` slot rows: [B, h, slots + L, width]."""
+    b, heads, length, dim = key.shape
+    width = _ttt_width(dim, slots)
+    slot_rows = key.new_zeros(b, heads, slots, width)
+    for j in range(slots):  # chain key j (step j + 1) at row slots - 1 - j, one-hot in column dim + 1 + j
+        slot_rows[:, :, slots - 1 - j, dim + 1 + j] = 1
+    drop = torch.finfo(key.dtype).min / 4  # times the query's 1: exp of it is exactly 0
+    padded = torch.where(valid, 0.0, drop).to(key.dtype)[:, None, :, None].expand(b, heads, length, 1)
+    tail = key.new_zeros(b, heads, length, width - dim - 1)
+    keys = torch.cat([slot_rows, torch.cat([key, padded, tail], dim=-1)], dim=2)
+    vals = torch.cat([slot_rows, F.pad(val, (0, width - dim))], dim=2)
+    return keys, vals
+
+
+def _ttt_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, chain_k: list[torch.Tensor],
+                   chain_v: list[torch.Tensor], slots: int) -> torch.Tensor:
+    """Attention output [B, h, L, D] of one TTT step's queries q [B, h, L, D] over step 0's keys (causal, valid ones)
+    and the chain keys so far (chain_k[j]: step j + 1's key at the query's own position)."""
+    b, heads, length, dim = q.shape
+    used = len(chain_k)
+    width = keys.shape[-1]
+    parts = [q, q.new_ones(b, heads, length, 1)]
+    parts += [(q * ck).sum(-1, keepdim=True) for ck in chain_k]
+    parts.append(q.new_zeros(b, heads, length, width - dim - 1 - used))
+    query = torch.cat(parts, dim=-1)
+    if used:
+        query = torch.cat([query.new_zeros(b, heads, used, width), query], dim=2)
+    first = slots - used
+    out = F.scaled_dot_product_attention(query, keys[:, :, first:], vals[:, :, first:], is_causal=True,
+                                         scale=1.0 / math.sqrt(dim))[:, :, used:]
+    ctx = out[..., :dim]
+    for j, cv in enumerate(chain_v):
+        ctx = ctx + out[..., dim + 1 + j, None] * cv
+    return ctx
 
 
 def default_shape(

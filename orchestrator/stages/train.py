@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -16,7 +17,6 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 from orchestrator import layers as layer_contract
@@ -37,29 +37,66 @@ class Sequence:
     teacher: torch.Tensor  # [L, Ht]
 
 
-def load_split(folder: Path, manifest: dict[str, Any], split: str, layers: list[int] | None = None, verify: bool = True) -> list[Sequence]:
+def load_split(folder: Path, manifest: dict[str, Any], split: str, layers: list[int] | None = None, verify: bool = True) -> ShardedSplit:
     """Sequences of one split, each shard checked against the manifest's size and checksum; with `layers`,
-    only those aux states (a subset of what was extracted), in that order."""
+    only those aux states (a subset of what was extracted), in that order. Read lazily: see `ShardedSplit`."""
     hidden = manifest["hidden_size"]
     columns = None
     if layers is not None and list(layers) != manifest["aux_layers"]:
         columns = torch.cat([torch.arange(hidden) + manifest["aux_layers"].index(k) * hidden for k in layers])
-    seqs: list[Sequence] = []
+    paths, seq_lens = [], []
     for record in manifest["splits"][split]["shards"]:
         path = Path(folder) / record["file"]
         if not path.exists() or path.stat().st_size != record["bytes"]:
             raise ArtifactError(f"{path}: missing or of the wrong size (manifest says {record['bytes']} bytes); re-run extraction")
         if verify and file_sha256(path) != record["sha256"]:
             raise ArtifactError(f"{path}: checksum differs from the extraction manifest; the shard is corrupt, re-run extraction")
-        t = load_file(str(path))
-        if columns is not None:
-            t["aux_hidden_states"] = t["aux_hidden_states"][:, columns]
-        offsets = [0] + torch.cumsum(t["seq_lens"].long(), 0).tolist()
-        for a, b in zip(offsets[:-1], offsets[1:]):
-            seqs.append(
-                Sequence(t["input_ids"][a:b].long(), t["loss_mask"][a:b].bool(), t["aux_hidden_states"][a:b], t["teacher_hidden_state"][a:b])
-            )
-    return seqs
+        with safe_open(str(path), framework="pt") as f:
+            seq_lens.append(f.get_tensor("seq_lens").long())
+        paths.append(path)
+    return ShardedSplit(paths, seq_lens, columns)
+
+
+class ShardedSplit:
+    """A split's sequences, each read from its shard when asked for (safetensors slices): RAM holds the sequences'
+    offsets and at most `open_shards` open shard files, whatever the data set's size. Indexing by an int gives a
+    `Sequence`, by a slice a list of them."""
+
+    def __init__(self, paths: list[Path], seq_lens: list[torch.Tensor], columns: torch.Tensor | None, open_shards: int = 4):
+        self.paths, self.columns, self.open_shards = paths, columns, open_shards
+        none = torch.zeros(0, dtype=torch.long)
+        self.shard = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor([len(n) for n in seq_lens], dtype=torch.long))
+        self.end = torch.cat([*(n.cumsum(0) for n in seq_lens), none])
+        self.start = self.end - torch.cat([*seq_lens, none])
+        self._handles: OrderedDict[int, Any] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.shard)
+
+    def __getitem__(self, index: int | slice) -> Sequence | list[Sequence]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"sequence {index} of a split of {len(self)}")
+        index %= len(self)
+        f = self._handle(int(self.shard[index]))
+        a, b = int(self.start[index]), int(self.end[index])
+        aux = f.get_slice("aux_hidden_states")[a:b]
+        if self.columns is not None:
+            aux = aux[:, self.columns]
+        return Sequence(f.get_slice("input_ids")[a:b].long(), f.get_slice("loss_mask")[a:b].bool(), aux, f.get_slice("teacher_hidden_state")[a:b])
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return (self[i] for i in range(len(self)))
+
+    def _handle(self, shard: int):
+        if shard in self._handles:
+            self._handles.move_to_end(shard)
+        else:
+            self._handles[shard] = safe_open(str(self.paths[shard]), framework="pt")
+            while len(self._handles) > self.open_shards:
+                self._handles.popitem(last=False)
+        return self._handles[shard]
 
 
 @dataclass
@@ -85,22 +122,42 @@ def collate(seqs: list[Sequence]) -> Batch:
 
 
 class TeacherHead(torch.nn.Module):
-    """The target's frozen final norm (for pre-norm teacher states) and lm_head."""
+    """The target's frozen final norm (for pre-norm teacher states) and lm_head, applied a block of vocabulary rows
+    at a time, so that no [B, L, vocabulary] logits tensor exists: a block holds at most `block_elements` logits."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], teacher: str, eps: float):
+    def __init__(self, tensors: dict[str, torch.Tensor], teacher: str, eps: float, block_elements: int = 2**28):
         super().__init__()
-        self.teacher, self.eps = teacher, eps
+        self.teacher, self.eps, self.block_elements = teacher, eps, block_elements
         self.register_buffer("norm", tensors["norm"])
         self.register_buffer("lm_head", tensors["lm_head"])
 
-    def forward(self, state: torch.Tensor) -> torch.Tensor:
+    def forward(self, state: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's logits on the draft vocabulary (target ids `kept`) [..., Vd], and its argmax over the full
+        vocabulary [...] (a token outside the draft vocabulary is one the draft can never match)."""
         if self.teacher == "pre_norm":
             state = state * torch.rsqrt(state.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
-        return state @ self.lm_head.T
+        vocab = self.lm_head.shape[0]
+        rows = max(1, self.block_elements // max(1, state.shape[:-1].numel()))
+        kept_logits = best_value = best_id = None
+        for start in range(0, vocab, rows):
+            logits = state @ self.lm_head[start : start + rows].T
+            if kept_logits is None:
+                kept_logits = logits.new_empty(*logits.shape[:-1], len(kept))
+            here = ((kept >= start) & (kept < start + rows)).nonzero().squeeze(1)
+            kept_logits.index_copy_(-1, here, logits.index_select(-1, kept[here] - start))
+            index = logits.argmax(-1)
+            value = logits.gather(-1, index[..., None]).squeeze(-1)
+            if best_id is None:
+                best_value, best_id = value, index
+            else:  # strictly greater: on a tie the lower id wins, as one argmax over the vocabulary would have it
+                better = value > best_value
+                best_value, best_id = torch.where(better, value, best_value), torch.where(better, index + start, best_id)
+        return kept_logits, best_id
 
 
 def ttt_step_targets(batch: Batch, teacher_logits: torch.Tensor, steps: int):
-    """Per TTT step k: (teacher logits at t+k+1, loss mask, token t+k+1), over t in 0..L-2.
+    """Per TTT step k: (teacher logits, or any per-position teacher tensor [B, L, ...], at t+k+1, loss mask,
+    token t+k+1), over t in 0..L-2.
 
     Step k at t predicts the target's distribution at t+k+1 (the token t+k+2) from the embedding of token
     t+k+1: the text's token under teacher forcing, the draft's own step k-1 token when served."""
@@ -124,20 +181,21 @@ def ttt_forward(draft: Eagle3Draft, head: TeacherHead, batch: Batch, steps: int,
     """Loss and per-step accuracy counts of one batch: steps k >= 1 consume the text's tokens (teacher forcing,
     for training) or, with `own_tokens`, the draft's own previous tokens as a serving engine does (validation)."""
     with torch.no_grad():
-        teacher_logits = head(batch.teacher)
-    targets = ttt_step_targets(batch, teacher_logits, steps)
+        teacher_kept, teacher_best = head(batch.teacher, kept)
+    targets = ttt_step_targets(batch, teacher_kept, steps)
+    best = [t_best for t_best, _, _ in ttt_step_targets(batch, teacher_best, steps)]
     valid = torch.arange(batch.ids.shape[1] - 1)[None, :] < (batch.lengths[:, None] - 1)
     source = None if own_tokens else (lambda k, _tokens: targets[k + 1][2])
     unrolled = draft.unroll(batch.aux[:, :-1], batch.ids[:, 1:], valid, steps, token_source=source)
     loss = torch.zeros(())
     stats = {"correct": [], "all_correct": [], "count": []}
     chain_ok = None
-    for k, ((t_logits, mask, _), d_logits, d_tokens) in enumerate(zip(targets, unrolled.logits, unrolled.tokens)):
-        p = F.softmax(t_logits[..., kept], dim=-1)
+    for k, ((t_kept, mask, _), t_best, d_logits, d_tokens) in enumerate(zip(targets, best, unrolled.logits, unrolled.tokens)):
+        p = F.softmax(t_kept, dim=-1)
         ce = -(p * F.log_softmax(d_logits.float(), dim=-1)).sum(-1)
         denom = mask.sum().clamp(min=1)
         loss = loss + weights[k] * (ce * mask).sum() / denom
-        right = d_tokens == t_logits.argmax(-1)
+        right = d_tokens == t_best
         chain_ok = right if chain_ok is None else chain_ok & right
         stats["correct"].append(int((right & mask).sum()))
         stats["all_correct"].append(int((chain_ok & mask).sum()))
@@ -270,15 +328,14 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
         bar.update(1)
         if step % tc.log_every == 0 or step == total:
             elapsed = time.time() - window_started
-            metrics = {"loss": float(loss.detach()), "lr": optim.param_groups[0]["lr"], "tokens_per_s": tokens / max(elapsed, 1e-9)}
-            metrics |= {k: v for k, v in summarize([stats], steps, draft_steps).items() if k.startswith("acc_")}
-            tracker.metrics(metrics, step=step, prefix="train/")
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc_0']:.2f}")
+            teacher_forced = summarize([stats], steps, draft_steps)
+            tracker.train_step(step, float(loss.detach()), optim.param_groups[0]["lr"], tokens / max(elapsed, 1e-9), teacher_forced)
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc0=f"{teacher_forced['acc_0']:.2f}")
             tokens, window_started = 0, time.time()
         if step % tc.val_every == 0 or step == total:
             val = evaluate(draft, head, val_seqs, steps, kept, weights, tc.batch_size, draft_steps)
             history.append({"step": step} | val)
-            tracker.metrics(val, step=step, prefix="train/val_")
+            tracker.train_validation(step, val)
         if step % tc.checkpoint_every == 0 or step == total:
             save_checkpoint()
     bar.close()
