@@ -271,7 +271,7 @@ def run_pipeline(cfg: RootConfig, run_dir: Path, sweep_dir: Path | None = None) 
                 runner.wait(job, stage, follow_log=not blocking)
             summary = json.loads((Path(plan.run_dir) / "summary.json").read_text())
         else:
-            return _report_submitted(plan, jobs, tracker.run_id)
+            return _report_submitted(plan, jobs, tracker.run_id, tracker.url())
     except runner.StageFailed as exc:
         tracker.fail(str(exc))
         raise
@@ -302,13 +302,13 @@ def _record_in_flight(cfg: RootConfig, plan: Plan, stage: str, job_id: str) -> N
         write_json(record, {"job_id": job_id, "folder": str(Path(plan.run_dir) / "jobs"), "run_dir": plan.run_dir})
 
 
-def _report_submitted(plan: Plan, jobs: list, run_id: str) -> dict[str, Any]:
+def _report_submitted(plan: Plan, jobs: list, run_id: str, url: str) -> dict[str, Any]:
     submitted = {stage: job.job_id for stage, job in jobs}
     write_json(Path(plan.run_dir) / "jobs.json", submitted)
     print(f"submitted {len(jobs)} jobs: " + ", ".join(f"{s}={j}" for s, j in submitted.items()))
     print(f"  follow:  squeue -j {','.join(submitted.values())}    logs: {Path(plan.run_dir) / 'jobs'}")
-    print(f"  results: MLflow run {run_id} ({plan.tracking_uri}); summary at {Path(plan.run_dir) / 'summary.json'} when done")
-    return {"submitted": submitted, "mlflow_run_id": run_id, "run_dir": plan.run_dir, "tracking_uri": plan.tracking_uri}
+    print(f"  results: MLflow run {url} ({plan.tracking_uri}); summary at {Path(plan.run_dir) / 'summary.json'} when done")
+    return {"submitted": submitted, "mlflow_run_id": run_id, "mlflow_url": url, "run_dir": plan.run_dir, "tracking_uri": plan.tracking_uri}
 
 
 def build_summary(cfg: RootConfig, plan: Plan, results: dict[str, Any], run_id: str) -> dict[str, Any]:

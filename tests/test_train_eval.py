@@ -39,6 +39,24 @@ def _with_train_dir(plan, folder: Path):
     return dataclasses.replace(plan, stage_dirs={**plan.stage_dirs, "train": str(folder)})
 
 
+def _altered_draft(plan, tmp_path: Path, edit) -> tuple[Path, object]:
+    """A copy of the trained stage whose draft config `edit(conf)` changes, and a plan that evaluates it."""
+    altered = tmp_path / "train"
+    shutil.copytree(plan.dir("train"), altered)
+    conf_path = altered / "draft" / "config.json"
+    conf = json.loads(conf_path.read_text())
+    edit(conf)
+    conf_path.write_text(json.dumps(conf))
+    moved = _with_train_dir(plan, altered)
+    return altered / "draft", dataclasses.replace(moved, stage_dirs={**moved.stage_dirs, "eval": str(tmp_path / "eval")})
+
+
+def _set_ids(ids):
+    def edit(conf):
+        conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+    return edit
+
+
 def test_killed_training_resumes_to_the_uninterrupted_weights(trained, tmp_path):
     cfg, plan = trained
     reference = plan.dir("train") / "draft" / "model.safetensors"
@@ -78,14 +96,8 @@ def test_train_refuses_extraction_with_other_layers(trained, tiny_config, tmp_pa
 
 def test_eval_flags_draft_ids_changed_to_other_layers(trained, tmp_path):
     cfg, plan = trained
-    altered = tmp_path / "train"
-    shutil.copytree(plan.dir("train"), altered)
-    conf_path = altered / "draft" / "config.json"
-    conf = json.loads(conf_path.read_text())
-    assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 4, 6]
-    conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 2, 5]
-    conf_path.write_text(json.dumps(conf))
-    eval_plan = dataclasses.replace(_with_train_dir(plan, altered), stage_dirs={**_with_train_dir(plan, altered).stage_dirs, "eval": str(tmp_path / "eval")})
+    assert json.loads((plan.dir("train") / "draft" / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 4, 6]
+    _, eval_plan = _altered_draft(plan, tmp_path, _set_ids([0, 2, 5]))
     tracker = _tracker(plan, "eval-mismatch")
     result = run_stage("eval", cfg, eval_plan, tracker.run_id)
     assert result["mismatch"] is True
@@ -126,13 +138,7 @@ def test_eval_reports_no_metric_it_could_not_measure(trained, tmp_path):
     draft whose fc takes 3: nothing can be measured, so eval flags it and writes no accuracy or accept length
     (no placeholder), neither in its result nor in MLflow."""
     cfg, plan = trained
-    altered = tmp_path / "train"
-    shutil.copytree(plan.dir("train"), altered)
-    conf_path = altered / "draft" / "config.json"
-    conf = json.loads(conf_path.read_text())
-    conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 5, 40]
-    conf_path.write_text(json.dumps(conf))
-    eval_plan = dataclasses.replace(_with_train_dir(plan, altered), stage_dirs={**_with_train_dir(plan, altered).stage_dirs, "eval": str(tmp_path / "eval")})
+    _, eval_plan = _altered_draft(plan, tmp_path, _set_ids([2, 5, 40]))
     tracker = _tracker(plan, "eval-unmeasurable")
     result = run_stage("eval", cfg, eval_plan, tracker.run_id)
     assert result["served_layers"] == [2, 5]
@@ -149,15 +155,9 @@ def test_eval_runs_the_draft_in_the_dtype_it_is_served_in(trained, tmp_path):
     from orchestrator.draft.export import load_draft
 
     cfg, plan = trained
-    altered = tmp_path / "train"
-    shutil.copytree(plan.dir("train"), altered)
-    conf_path = altered / "draft" / "config.json"
-    conf = json.loads(conf_path.read_text())
-    conf["torch_dtype"] = "bfloat16"
-    conf_path.write_text(json.dumps(conf))
-    draft, _ = load_draft(altered / "draft")
+    draft_dir, eval_plan = _altered_draft(plan, tmp_path, lambda conf: conf.update(torch_dtype="bfloat16"))
+    draft, _ = load_draft(draft_dir)
     assert {p.dtype for p in draft.parameters()} == {torch.bfloat16}
-    eval_plan = dataclasses.replace(_with_train_dir(plan, altered), stage_dirs={**_with_train_dir(plan, altered).stage_dirs, "eval": str(tmp_path / "eval")})
     result = run_stage("eval", cfg, eval_plan, _tracker(plan, "eval-bf16").run_id)
     assert result["draft_dtype"] == "bfloat16"
     assert 0.0 <= result["acc_0"] <= 1.0
