@@ -15,14 +15,18 @@ from orchestrator import layers as layer_contract
 
 
 def base_model(model: nn.Module) -> nn.Module:
-    """The decoder stack (`embed_tokens`, `layers`, `norm`) of an HF causal LM."""
-    base = getattr(model, "model", None)
-    if base is not None and hasattr(base, "layers"):
-        return base
-    base = getattr(model, "base_model", None)
-    if base is not None and hasattr(base, "layers"):
-        return base
-    raise TypeError(f"{type(model).__name__}: cannot find the decoder stack (model.model.layers)")
+    """The decoder stack (`embed_tokens`, `layers`, `norm`) of an HF causal LM, or of the causal LM a multimodal
+    wrapper holds as `language_model` (Kimi-K2.5: `model.language_model.model`; `orchestrator/wrappers.py`)."""
+    for attribute in ("model", "base_model"):
+        base = getattr(model, attribute, None)
+        if base is not None and hasattr(base, "layers"):
+            return base
+    text_model = getattr(model, "language_model", None)
+    if isinstance(text_model, nn.Module):
+        return text_model if hasattr(text_model, "layers") else base_model(text_model)
+    raise TypeError(
+        f"{type(model).__name__}: cannot find the decoder stack (model.model.layers, or model.language_model.model.layers)"
+    )
 
 
 def num_decoder_layers(model: nn.Module) -> int:

@@ -89,11 +89,25 @@ def identity(cfg: RootConfig, path: Path) -> TargetIdentity:
 
 
 def load_target(path: Path, trust_remote_code: bool = False):
-    """(model, tokenizer) in float32, eval mode, on the CPU (the accelerators' placement is the engines' job)."""
+    """(model, tokenizer) in float32, eval mode, on the CPU (the accelerators' placement is the engines' job).
+
+    A multimodal wrapper checkpoint (Kimi-K2.5: `KimiK25ForConditionalGeneration`, the text model under
+    `text_config`) loads as its text model under the wrapper's attribute (`orchestrator/wrappers.py`, which also
+    lists what a real Kimi-K2.5 checkpoint needs beyond the tiny one); any other as HF's causal LM.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from orchestrator import wrappers
+
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    config = wrappers.read_config(path)
+    wrapper = wrappers.wrapper_of(config)
+    if wrapper is not None:
+        try:
+            return wrappers.load_text_model(Path(path), config, wrapper), tokenizer
+        except wrappers.WrapperError as err:
+            raise ArtifactError(str(err)) from err
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
     model.eval()
     return model, tokenizer
@@ -107,18 +121,24 @@ def target_config_json(path: Path) -> dict[str, Any]:
 def load_head_tensors(path: Path) -> dict[str, "torch.Tensor"]:
     """The target's input embedding, final norm and lm_head weights, read by name without loading the model.
 
-    Returns keys `embed`, `norm`, `lm_head` (float32); `lm_head` falls back to `embed` for tied embeddings.
+    Returns keys `embed`, `norm`, `lm_head` (float32); `lm_head` falls back to `embed` for tied embeddings. In a
+    wrapper checkpoint only the text model's weights (`language_model.*` for Kimi-K2.5) are candidates.
     """
     import torch
     from safetensors import safe_open
 
+    from orchestrator import wrappers
+
+    has_config = (Path(path) / "config.json").exists()
+    wrapper = wrappers.wrapper_of(wrappers.read_config(path)) if has_config else None
+    prefix = wrapper.prefix if wrapper else ""
     wanted = {"embed": "embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
     found: dict[str, torch.Tensor] = {}
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 for name, suffix in wanted.items():
-                    if name not in found and key.endswith(suffix) and "mtp" not in key:
+                    if name not in found and key.startswith(prefix) and key.endswith(suffix) and "mtp" not in key:
                         found[name] = f.get_tensor(key).float()
     if "lm_head" not in found and "embed" in found:
         found["lm_head"] = found["embed"]

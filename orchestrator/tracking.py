@@ -334,7 +334,7 @@ def run_note(summary: Mapping[str, Any]) -> str:
     if own:
         source = "eval, exported draft on the live target" if "acc_0" in ev else "training validation"
         rows.append((f"acc_0..{len(own) - 1} (own tokens; {source})", " / ".join(f"{a:.3f}" for a in own)))
-    if "accept_length" in serve:
+    if serve.get("accept_length") is not None:  # None: the target ended every answer before a verify pass
         rows.append(("accept length, served (tokens per verify pass, bonus included)", f"{serve['accept_length']:.2f}"))
     expected = ev.get("expected_accept_length", train.get("val_expected_accept_length"))
     if expected is not None:

@@ -1,5 +1,9 @@
 """Build, train and cache tiny HF target models (Llama, DeepSeek-V3) on the stdlib chat corpus.
 
+Arch `kimi_k25` trains a DeepSeek-V3 text model like `deepseek_v3` and saves it the way the Kimi-K2.5
+checkpoint is laid out: the wrapper's config.json (`KimiK25ForConditionalGeneration`, the text model's config
+under `text_config`) and the weights under `language_model.` (`orchestrator/wrappers.py`).
+
 Determinism: given the same seed, spec, Python stdlib, torch/transformers/tokenizers versions,
 CPU instruction set and torch thread count, a step-limited build produces bit-identical weights
 (the CPU kernels used are deterministic; ``torch.use_deterministic_algorithms`` is not switched on
@@ -27,6 +31,8 @@ from typing import Any
 
 import torch
 
+from orchestrator import wrappers
+
 from .corpus import Conversation, corpus_fingerprint, stdlib_conversations
 
 CHAT_TEMPLATE = (
@@ -48,7 +54,9 @@ ROLE_TOKENS = ("<|user|>", "<|assistant|>", "<|system|>")
 SPECIAL_TOKENS = (PAD_TOKEN, END_TOKEN, *ROLE_TOKENS)
 
 REPORT_NAME = "build_report.json"
-ARCHS = ("llama", "deepseek_v3")
+ARCHS = ("llama", "deepseek_v3", "kimi_k25")
+# arch -> the multimodal wrapper its checkpoint is saved in
+WRAPPED = {"kimi_k25": wrappers.KIMI_K25}
 
 # Every key a build reads; the values live in conf/target/tiny_*.yaml (`target.tiny`).
 TRAIN_KEYS = (
@@ -148,8 +156,20 @@ def _make_config(arch: str, model: dict, tokenizer) -> Any:
     kwargs = {**ids, "vocab_size": len(tokenizer), **model}
     if kwargs["vocab_size"] < len(tokenizer):
         raise ValueError(f"model vocab_size {kwargs['vocab_size']} < tokenizer size {len(tokenizer)}")
-    cls = LlamaConfig if arch == "llama" else DeepseekV3Config
+    cls = LlamaConfig if arch == "llama" else DeepseekV3Config  # kimi_k25: its text model is DeepSeek-V3
     return cls(**kwargs)
+
+
+def _save_wrapped(model, wrapper: wrappers.Wrapper, out: Path) -> None:
+    """The text model saved as the wrapper's checkpoint: its config.json and `<text_attribute>.*` weights."""
+    from safetensors.torch import save_file
+
+    text_config = model.config.to_dict()
+    ids = {k: text_config.get(k) for k in ("pad_token_id", "eos_token_id", "bos_token_id")}
+    config = wrappers.wrapper_config(wrapper, text_config, dtype=text_config.get("dtype"), **ids)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(wrappers.wrapped_state_dict(wrapper, model.state_dict()), str(out / "model.safetensors"), metadata={"format": "pt"})
+    model.generation_config.save_pretrained(str(out))
 
 
 def weights_sha256(model_dir: Path) -> dict[str, Any]:
@@ -337,7 +357,10 @@ def _train_and_save(tmp: Path, spec: dict[str, Any], progress: bool) -> dict[str
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = None
-    model.save_pretrained(str(tmp))
+    if arch in WRAPPED:
+        _save_wrapped(model, WRAPPED[arch], tmp)
+    else:
+        model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
 
     import tokenizers
@@ -347,7 +370,8 @@ def _train_and_save(tmp: Path, spec: dict[str, Any], progress: bool) -> dict[str
     return {
         "spec": spec,
         "arch": arch,
-        "model_class": type(model).__name__,
+        "model_class": WRAPPED[arch].architecture if arch in WRAPPED else type(model).__name__,
+        "text_model_class": type(model).__name__,
         "parameters": n_params,
         "vocab_size": vocab,
         "tokenizer_size": len(tokenizer),
