@@ -18,7 +18,7 @@ from typing import Any, Iterator
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 # Bumped when a stage's code changes what it writes; part of every cache key.
-CODE_VERSION = {"extract": 3, "train": 3, "eval": 4, "serve": 4}
+CODE_VERSION = {"extract": 4, "train": 4, "eval": 5, "serve": 5}
 
 
 class ArtifactError(ValueError):

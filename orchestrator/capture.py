@@ -76,7 +76,10 @@ class HiddenStateCapture:
         return self._states[point]
 
     def aux(self) -> torch.Tensor:
-        return torch.cat([self.state(p) for p in self.points], dim=-1)
+        """The recorded states side by side, on the first one's device (a target spread over several GPUs
+        records each layer's state where that layer sits)."""
+        states = [self.state(p) for p in self.points]
+        return torch.cat([s.to(states[0].device) for s in states], dim=-1)
 
     def teacher(self) -> torch.Tensor:
         if self.teacher_point is None:

@@ -37,6 +37,9 @@ class Resources:
 
     nodes: int = MISSING
     gpus_per_node: int = MISSING
+    # Processes per node (submitit tasks, one torch.distributed rank each). null: one per GPU for the stages that
+    # run data-parallel (extract, train), one per node for eval and serve; see `tasks_per_node`.
+    tasks_per_node: Optional[int] = MISSING
     cpus_per_task: int = MISSING
     mem_gb: int = MISSING
     timeout_min: int = MISSING
@@ -127,6 +130,8 @@ class ExtractConfig:
     batch_size: int = MISSING
     # Refuse, before any job, an extraction whose estimated size (extract_storage) exceeds this many bytes.
     max_bytes: float = MISSING
+    # What the target computes in (auto: bfloat16 on GPUs, float32 on CPUs); `dtype` is what is stored.
+    precision: str = MISSING
     resources: Resources = MISSING
 
 
@@ -145,7 +150,8 @@ class TrainConfig:
     beta2: float = MISSING
     grad_clip: float = MISSING
     step_weight_decay: float = MISSING
-    autocast_bf16: str = MISSING
+    # auto: bfloat16 autocast on GPUs (float32 master weights), float32 on CPUs.
+    precision: str = MISSING
     checkpoint_every: int = MISSING
     val_every: int = MISSING
     log_every: int = MISSING
@@ -162,6 +168,8 @@ class EvalConfig:
     prompts: int = MISSING
     max_new_tokens: int = MISSING
     acc_tolerance: float = MISSING
+    # What the target computes in (auto: bfloat16 on GPUs, float32 on CPUs); the draft runs in its config's dtype.
+    precision: str = MISSING
     resources: Resources = MISSING
 
 
@@ -192,6 +200,8 @@ class ServeConfig:
     # Refuse to serve a draft whose config ids do not capture the layers it was trained on.
     guard: bool = MISSING
     threads: Optional[int] = MISSING
+    # The reference engine's target (auto: bfloat16 on GPUs, float32 on CPUs); SGLang is told `serve.dtype`.
+    precision: str = MISSING
     resources: Resources = MISSING
 
 
@@ -205,6 +215,8 @@ class ClusterConfig:
     constraint: Optional[str] = MISSING
     setup: list[str] = MISSING
     wait: bool = MISSING
+    # Memory of one of the site's GPUs: dry runs check that a target's weights fit the GPUs a task gets.
+    gpu_memory_gb: Optional[float] = MISSING
 
 
 @dataclass
@@ -308,6 +320,8 @@ def validate(cfg: RootConfig) -> None:
     check(cfg.train.ttt_steps >= 1, f"train.ttt_steps={cfg.train.ttt_steps}: expected >= 1")
     check(cfg.serve.engine in ENGINES, f"serve.engine={cfg.serve.engine!r}: expected one of {ENGINES}")
     check(cfg.cluster.kind in CLUSTERS, f"cluster.kind={cfg.cluster.kind!r}: expected one of {CLUSTERS}")
+    for stage in STAGES:
+        check_resources(cfg, stage)
     vd = cfg.draft.draft_vocab_size
     check(vd is None or 0 < vd <= t.vocab_size, f"draft.draft_vocab_size={vd}: expected 1..target.vocab_size={t.vocab_size} or null")
     s = cfg.serve
@@ -321,6 +335,53 @@ def validate(cfg: RootConfig) -> None:
         layer_contract.to_engine_ids(s.engine, cfg.aux_layers, t.num_hidden_layers, t.family, s.sglang_version)
     except layer_contract.LayerContractError as exc:
         raise ConfigError(f"aux_layers={cfg.aux_layers} cannot be served by serve.engine={s.engine}: {exc}") from None
+
+
+PRECISIONS = ("auto", "float32", "bfloat16")
+
+
+def check_resources(cfg: RootConfig, stage: str) -> None:
+    """A stage's precision and process layout."""
+    node = getattr(cfg, stage)
+    r = node.resources
+    if node.precision not in PRECISIONS:
+        raise ConfigError(f"{stage}.precision={node.precision!r}: expected one of {PRECISIONS} (auto: bfloat16 on GPUs, float32 on CPUs)")
+    for key in ("nodes", "cpus_per_task", "timeout_min"):
+        if getattr(r, key) < 1:
+            raise ConfigError(f"{stage}.resources.{key}={getattr(r, key)}: expected >= 1")
+    if r.gpus_per_node < 0:
+        raise ConfigError(f"{stage}.resources.gpus_per_node={r.gpus_per_node}: expected >= 0")
+    tasks = tasks_per_node(cfg, stage)
+    if r.tasks_per_node is not None and r.tasks_per_node < 1:
+        raise ConfigError(f"{stage}.resources.tasks_per_node={r.tasks_per_node}: expected >= 1 or null")
+    if r.gpus_per_node and r.gpus_per_node % tasks:
+        raise ConfigError(
+            f"{stage}.resources.tasks_per_node={tasks} with gpus_per_node={r.gpus_per_node}: each task needs the same "
+            f"whole number of GPUs; use a divisor of {r.gpus_per_node}"
+        )
+    if stage in ("eval", "serve") and tasks * r.nodes != 1:
+        raise ConfigError(
+            f"{stage}.resources: {r.nodes} node(s) x {tasks} task(s); {stage} runs as one process (a target spread over "
+            f"its GPUs; SGLang parallelises itself): set {stage}.resources.nodes=1 and tasks_per_node=1 or null"
+        )
+    if stage == "train" and cfg.train.batch_size % (tasks * r.nodes):
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} over {tasks * r.nodes} ranks ({r.nodes} node(s) x {tasks} "
+            "tasks): the global batch must split evenly between the ranks"
+        )
+
+
+def tasks_per_node(cfg: RootConfig, stage: str) -> int:
+    """The stage's processes per node: its config's, or one per GPU for data-parallel stages (one on a CPU node),
+    one for eval and serve."""
+    r = getattr(cfg, stage).resources
+    if r.tasks_per_node is not None:
+        return r.tasks_per_node
+    return max(1, r.gpus_per_node) if stage in ("extract", "train") else 1
+
+
+def world_size(cfg: RootConfig, stage: str) -> int:
+    return getattr(cfg, stage).resources.nodes * tasks_per_node(cfg, stage)
 
 
 def check_data(d: DataConfig) -> None:

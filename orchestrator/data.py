@@ -180,8 +180,9 @@ def regenerate(model, tokenizer, conversations_: list, max_len: int, cfg, seed: 
         if cfg.temperature > 0:
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator_seed)))
         with torch.no_grad():
+            device = model.get_input_embeddings().weight.device
             generated = model.generate(
-                input_ids=ids, attention_mask=attn, max_new_tokens=new_tokens, pad_token_id=pad,
+                input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=new_tokens, pad_token_id=pad,
                 eos_token_id=eos, **sampling,
             )[:, width:]
         for row, p in enumerate(batch):

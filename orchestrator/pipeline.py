@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 from orchestrator import layers as layer_contract
 from orchestrator import preflight, runner, tracking
 from orchestrator.artifacts import CODE_VERSION, MANIFEST, file_sha256, stable_hash, write_json
-from orchestrator.config import RootConfig, captured_layers, extract_storage
+from orchestrator import compute as compute_mod
+from orchestrator.config import RootConfig, captured_layers, extract_storage, tasks_per_node, world_size
 from orchestrator.targets import target_dir
 
 
@@ -37,8 +38,12 @@ class Plan:
 
 
 def _subtree(cfg: RootConfig, name: str) -> dict[str, Any]:
+    """What of a config node decides its stage's output: not where it runs, but what it computes in (resolved,
+    so that `auto` on a GPU job and on a CPU job key different outputs)."""
     tree = asdict(getattr(cfg, name))
-    tree.pop("resources", None)
+    resources = tree.pop("resources", None)
+    if "precision" in tree and resources is not None:
+        tree["precision"] = compute_mod.resolve_precision(tree["precision"], resources["gpus_per_node"])
     return tree
 
 
@@ -127,7 +132,9 @@ def make_plan(cfg: RootConfig, run_dir: Path) -> Plan:
                 "stage": stage,
                 "job_name": f"{cfg.run_name}-{stage}",
                 "key": keys[stage],
-                "resources": asdict(getattr(cfg, stage).resources),
+                "resources": asdict(getattr(cfg, stage).resources) | {"tasks_per_node": tasks_per_node(cfg, stage)},
+                "world_size": world_size(cfg, stage),
+                "precision": compute_mod.resolve_precision(getattr(cfg, stage).precision, getattr(cfg, stage).resources.gpus_per_node),
                 "inputs": inputs[stage],
                 "output": str(dirs[stage]),
                 "cached": (dirs[stage] / MANIFEST).exists() and stage in ("extract", "train"),
@@ -145,19 +152,28 @@ def run_stage(stage: str, cfg: RootConfig, plan: Plan, run_id: str, finalize: bo
     import torch
 
     module = importlib.import_module(f"orchestrator.stages.{stage}")
+    node = getattr(cfg, stage)
     # The job's CPUs decide torch's thread count, not the machine it lands on: float reductions, and so the
     # stage's numbers, are the same on a laptop, a local job and a Slurm job with the same resources.
-    torch.set_num_threads(getattr(cfg, stage).resources.cpus_per_task)
+    torch.set_num_threads(node.resources.cpus_per_task)
     tracker = tracking.Tracker(plan.tracking_uri, run_id)
     started = time.time()
+    compute = None
     try:
-        result = module.run(cfg, plan, tracker)
-        tracker.metrics({"seconds": time.time() - started}, prefix=f"{stage}/")
-        if finalize:
-            finish(cfg, plan, tracker)
+        compute = compute_mod.setup(node.precision, node.resources.gpus_per_node, node.resources.timeout_min, f"{stage}.resources")
+        if compute.is_main:
+            tracker.params({f"{stage}.{k}": v for k, v in tracking.compute_params(compute.describe()).items()})
+        result = module.run(cfg, plan, tracker, compute)
+        if compute.is_main:
+            tracker.metrics({"seconds": time.time() - started}, prefix=f"{stage}/")
+            if finalize:
+                finish(cfg, plan, tracker)
     except BaseException as exc:
-        tracker.fail(f"stage {stage}: {type(exc).__name__}: {exc}")
+        tracker.fail(f"stage {stage}" + (f" (rank {compute.rank})" if compute and compute.distributed else "") + f": {type(exc).__name__}: {exc}")
         raise
+    finally:
+        if compute is not None:
+            compute.close()
     return result
 
 
@@ -190,7 +206,8 @@ def print_plan(plan: Plan) -> None:
         table.add_column(col, overflow="fold")
     for s in plan.stages:
         r = s["resources"]
-        res = f"{r['nodes']}x{r['gpus_per_node']} GPU, {r['cpus_per_task']} CPU, {r['mem_gb']} GB, {r['timeout_min']} min"
+        res = (f"{r['nodes']}x{r['gpus_per_node']} GPU, {s['world_size']} rank(s), {s['precision']}, {r['cpus_per_task']} CPU/task, "
+               f"{r['mem_gb']} GB, {r['timeout_min']} min")
         table.add_row(s["stage"], s["job_name"], res, s["output"] + (" (cached)" if s["cached"] else ""), json.dumps(s["layer_ids"]))
     Console(width=200).print(table)
     for s in plan.stages:
@@ -253,7 +270,7 @@ def run_pipeline(cfg: RootConfig, run_dir: Path, sweep_dir: Path | None = None) 
                 continue
             job = runner.submit(
                 cfg.cluster, Path(plan.run_dir) / "jobs", entry["job_name"], getattr(cfg, stage).resources,
-                stage, cfg, plan, tracker.run_id, entry is todo[-1],
+                entry["resources"]["tasks_per_node"], stage, cfg, plan, tracker.run_id, entry is todo[-1],
                 dependency=[dependency] if dependency else None,
             )
             jobs.append((stage, job))

@@ -17,29 +17,37 @@ class StageFailed(RuntimeError):
     """A stage job that raised or died; carries the job's log tail."""
 
 
-def executor(cluster: ClusterConfig, folder: Path, name: str, resources: Resources, dependency: list[str] | None = None):
+def executor(cluster: ClusterConfig, folder: Path, name: str, resources: Resources, tasks_per_node: int = 1,
+             dependency: list[str] | None = None):
+    """submitit's executor for one stage job: `tasks_per_node` processes on each of `resources.nodes` nodes (one
+    torch.distributed rank each, see `StageJob`)."""
     folder = Path(folder)
     if cluster.kind == "debug":
+        if tasks_per_node * resources.nodes > 1:
+            raise ValueError(f"cluster.kind=debug runs a job in this process: it cannot run {tasks_per_node * resources.nodes} tasks; use cluster=local")
         ex = submitit.DebugExecutor(folder=folder)
     elif cluster.kind == "local":
+        if resources.nodes > 1:
+            raise ValueError(f"cluster.kind=local runs on this machine: resources.nodes={resources.nodes}, expected 1")
         ex = submitit.LocalExecutor(folder=folder)
-        ex.update_parameters(timeout_min=resources.timeout_min)
+        ex.update_parameters(timeout_min=resources.timeout_min, tasks_per_node=tasks_per_node, gpus_per_node=resources.gpus_per_node)
     elif cluster.kind == "slurm":
         ex = submitit.SlurmExecutor(folder=folder)
-        ex.update_parameters(**slurm_parameters(cluster, name, resources, dependency))
+        ex.update_parameters(**slurm_parameters(cluster, name, resources, tasks_per_node, dependency))
     else:
         raise ValueError(f"cluster.kind={cluster.kind!r}: expected local, debug or slurm")
     return ex
 
 
-def slurm_parameters(cluster: ClusterConfig, name: str, resources: Resources, dependency: list[str] | None) -> dict[str, Any]:
+def slurm_parameters(cluster: ClusterConfig, name: str, resources: Resources, tasks_per_node: int,
+                     dependency: list[str] | None) -> dict[str, Any]:
     params: dict[str, Any] = {
         "job_name": name,
         "nodes": resources.nodes,
         "cpus_per_task": resources.cpus_per_task,
         "mem": f"{resources.mem_gb}GB",
         "time": resources.timeout_min,
-        "ntasks_per_node": 1,
+        "ntasks_per_node": tasks_per_node,
     }
     if resources.gpus_per_node:
         params["gpus_per_node"] = resources.gpus_per_node
@@ -59,16 +67,23 @@ def slurm_parameters(cluster: ClusterConfig, name: str, resources: Resources, de
 class StageJob(submitit.helpers.Checkpointable):
     """A stage as a submitit job. On preemption or time-out (SIGUSR2 on Slurm) submitit calls `checkpoint`,
     which requeues the same call: training then resumes from its own checkpoint file, while extraction resumes
-    at shard granularity and serving restarts its benchmark clean."""
+    at shard granularity and serving restarts its benchmark clean.
+
+    Every task of the job runs this call. Each first exports its place in the job (submitit's task model: rank,
+    world size, local rank, the first node's address and a port derived from the job id) as torch.distributed's
+    standard variables, which `compute.setup` reads."""
 
     def __call__(self, stage: str, cfg, plan, run_id: str, finalize: bool):
         from orchestrator.pipeline import run_stage
 
+        if submitit.JobEnvironment().num_tasks > 1:
+            # CUDA_VISIBLE_DEVICES stays the job's: compute.setup splits the node's GPUs between its tasks.
+            submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         return run_stage(stage, cfg, plan, run_id, finalize=finalize)
 
 
-def submit(cluster: ClusterConfig, folder: Path, name: str, resources: Resources, *args, dependency=None):
-    return executor(cluster, folder, name, resources, dependency).submit(StageJob(), *args)
+def submit(cluster: ClusterConfig, folder: Path, name: str, resources: Resources, tasks_per_node: int, *args, dependency=None):
+    return executor(cluster, folder, name, resources, tasks_per_node, dependency).submit(StageJob(), *args)
 
 
 def job_state(cluster: ClusterConfig, folder: Path, job_id: str) -> str:
@@ -92,7 +107,7 @@ def wait(job, stage: str, follow_log: bool = True) -> Any:
         print(f"[{stage}] job {job.job_id} log: {job.paths.stdout} (stderr: {job.paths.stderr})", flush=True)
         follow_logs(job)
     try:
-        return job.result()
+        return job.results()[0]  # every task's outcome (any rank's error raises); rank 0 holds the stage's result
     except Exception as exc:  # submitit wraps the remote traceback in its own exception types
         tail = ""
         try:
@@ -141,7 +156,8 @@ class _FollowedFile:
             self.sink.flush()
 
 
-def render_sbatch(cluster: ClusterConfig, folder: Path, name: str, resources: Resources, dependency: list[str] | None = None) -> str:
+def render_sbatch(cluster: ClusterConfig, folder: Path, name: str, resources: Resources, tasks_per_node: int = 1,
+                  dependency: list[str] | None = None) -> str:
     """The sbatch file submitit would write for a stage (for dry runs and golden tests)."""
-    ex = executor(cluster, folder, name, resources, dependency)
+    ex = executor(cluster, folder, name, resources, tasks_per_node, dependency)
     return ex._make_submission_file_text(f"python -u -m submitit.core._submit {folder}", "UID")

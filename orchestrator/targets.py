@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orchestrator import compute as compute_mod
 from orchestrator.artifacts import ArtifactError, dir_fingerprint, stable_hash
+from orchestrator.compute import Compute
 from orchestrator.config import RootConfig, TargetConfig
 
 
@@ -88,8 +91,12 @@ def identity(cfg: RootConfig, path: Path) -> TargetIdentity:
     )
 
 
-def load_target(path: Path, trust_remote_code: bool = False):
-    """(model, tokenizer) in float32, eval mode, on the CPU (the accelerators' placement is the engines' job).
+def load_target(path: Path, trust_remote_code: bool = False, compute: Compute | None = None):
+    """(model, tokenizer) in eval mode, in `compute`'s dtype, on its devices (the CPU in float32 without one).
+
+    One device: the whole model on it. Several (a task that owns more than one GPU, because the target does not
+    fit one): spread over them by accelerate's `device_map="auto"`, each GPU filled up to `GPU_FILL` of its memory;
+    forward hooks capture the states wherever their layer sits (`capture.HiddenStateCapture` gathers them).
 
     A multimodal wrapper checkpoint (Kimi-K2.5: `KimiK25ForConditionalGeneration`, the text model under
     `text_config`) loads as its text model under the wrapper's attribute (`orchestrator/wrappers.py`, which also
@@ -100,17 +107,55 @@ def load_target(path: Path, trust_remote_code: bool = False):
 
     from orchestrator import wrappers
 
+    compute = compute or compute_mod.cpu()
+    placement = {"dtype": compute.dtype} | device_placement(compute)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     config = wrappers.read_config(path)
     wrapper = wrappers.wrapper_of(config)
     if wrapper is not None:
         try:
-            return wrappers.load_text_model(Path(path), config, wrapper), tokenizer
+            return wrappers.load_text_model(Path(path), config, wrapper, placement), tokenizer
         except wrappers.WrapperError as err:
             raise ArtifactError(str(err)) from err
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **placement)
     model.eval()
     return model, tokenizer
+
+
+# Of each GPU's memory, what a spread target's weights may take; the rest is activations and captured states.
+GPU_FILL = 0.85
+
+
+def device_placement(compute: Compute) -> dict[str, Any]:
+    """`from_pretrained`'s placement arguments for a process's devices."""
+    if len(compute.devices) == 1:
+        return {"device_map": {"": str(compute.device)}}
+    return {
+        "device_map": "auto",
+        "max_memory": {d.index: int(compute_mod.device_memory_bytes(d) * GPU_FILL) for d in compute.devices},
+    }
+
+
+def weight_bytes(path: Path, dtype: str) -> int | None:
+    """The memory a target folder's weights take once loaded in `dtype` (floating tensors converted, quantised or
+    integer ones as stored), from the safetensors headers alone; None when the folder has no weights (yet)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        return None
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    stored = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+              "F8_E4M3": 1, "F8_E5M2": 1}
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                tensor = f.get_slice(key)
+                numel = math.prod(tensor.get_shape())
+                kind = tensor.get_dtype()
+                total += numel * (size if kind.startswith(("F", "BF")) else stored.get(kind, 1))
+    return total
 
 
 def target_config_json(path: Path) -> dict[str, Any]:

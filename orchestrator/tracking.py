@@ -313,10 +313,17 @@ def _spread(row: Mapping[str, Any]) -> dict[str, float]:
             "spec_tok_s_max": max(spec), "speedup_min": min(spec) / max(base), "speedup_max": max(spec) / min(base)}
 
 
+def compute_params(described: Mapping[str, Any]) -> dict[str, Any]:
+    """A stage's `Compute.describe()` as MLflow params: device, devices, dtype, world size, backend."""
+    return {k: v for k, v in described.items() if v is not None}
+
+
 def relog_cached(tracker: Tracker, stage: str, stage_dir: Path, result: Mapping[str, Any]) -> None:
     """A cached extraction or draft gives this run the metrics (and the training's validation curve and
     accuracy plot) that the run which produced it logged, so the compare view shows no hole for it."""
     stage_dir = Path(stage_dir)
+    if result.get("compute"):  # how the cached stage ran, as a live one records it (pipeline.run_stage)
+        tracker.params({f"{stage}.{k}": v for k, v in compute_params(result["compute"]).items()})
     if stage == "train":  # training writes metrics.json and the plot before its manifest
         for entry in json.loads((stage_dir / "metrics.json").read_text())["history"]:
             tracker.train_validation(entry["step"], entry)

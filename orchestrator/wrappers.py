@@ -104,8 +104,9 @@ class TextOnly(nn.Module):
         return self.text_model.get_output_embeddings()
 
 
-def load_text_model(path: Path, config: dict[str, Any], wrapper: Wrapper) -> TextOnly:
-    """The wrapper checkpoint's text model in float32 on the CPU, every text weight read from the checkpoint."""
+def load_text_model(path: Path, config: dict[str, Any], wrapper: Wrapper, placement: dict[str, Any]) -> TextOnly:
+    """The wrapper checkpoint's text model, every text weight read from the checkpoint; `placement` holds
+    `from_pretrained`'s dtype and device arguments (`targets.load_target`)."""
     import transformers
 
     where = f"{path}/config.json"
@@ -123,9 +124,9 @@ def load_text_model(path: Path, config: dict[str, Any], wrapper: Wrapper) -> Tex
     model, info = text_class.from_pretrained(
         path,
         config=text_config,
-        dtype=torch.float32,
         key_mapping={rf"^{wrapper.prefix}": ""},
         output_loading_info=True,
+        **placement,
     )
     if info["missing_keys"]:
         raise WrapperError(

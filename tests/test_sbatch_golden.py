@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.config import tasks_per_node
 from orchestrator.runner import render_sbatch
 
 from golden import assert_matches_golden
@@ -20,11 +21,13 @@ STAGES = ("extract", "train", "eval", "serve")
 def test_kimi_sbatch(tiny_config, index, stage):
     cfg = tiny_config("cluster=example_site", experiment="kimi_eagle3", fast=False)
     dependency = [str(1000 + index)] if index else None  # job id of the previous stage
-    text = render_sbatch(cfg.cluster, Path("/shared/runs/kimi_eagle3/jobs"), f"kimi_eagle3-{stage}", getattr(cfg, stage).resources, dependency)
+    text = render_sbatch(cfg.cluster, Path("/shared/runs/kimi_eagle3/jobs"), f"kimi_eagle3-{stage}", getattr(cfg, stage).resources, tasks_per_node(cfg, stage), dependency)
     assert_matches_golden(f"sbatch_kimi_{stage}.sh", text)
     assert f"--job-name=kimi_eagle3-{stage}" in text and "--gpus-per-node=8" in text
     assert ("--dependency=afterok:" in text) == (index > 0)
     assert "source /shared/envs/eagle-orchestrator/bin/activate" in text
+    # training runs a rank per GPU; the 1T-parameter target is spread over a node's GPUs by one process
+    assert f"--ntasks-per-node={8 if stage == 'train' else 1}" in text
 
 
 def test_a_missing_golden_file_fails_and_is_not_created(tmp_path, monkeypatch):

@@ -253,7 +253,7 @@ class Eagle3Draft(nn.Module):
         Returns the pre-norm output at the last position, the chain's starting state."""
         if cache.length != start:
             raise RuntimeError(f"draft cache holds {cache.length} positions, extend starts at {start}")
-        positions = torch.arange(start, start + aux.shape[1])[None]
+        positions = torch.arange(start, start + aux.shape[1], device=aux.device)[None]
         out, _, _ = self._cached_step(self.fc(aux.to(self.fc.weight.dtype)), next_ids, positions, cache, commit=True)
         return out[:, -1:]
 
@@ -266,7 +266,7 @@ class Eagle3Draft(nn.Module):
         token = self.to_target_ids(self.logits(h).argmax(-1))
         tokens.append(int(token))
         for k in range(1, steps):
-            positions = torch.tensor([[last_position + k]])
+            positions = torch.tensor([[last_position + k]], device=h.device)
             h, keys, vals = self._cached_step(h, token.view(1, 1), positions, cache, commit=True)
             token = self.to_target_ids(self.logits(h).argmax(-1))
             tokens.append(int(token))

@@ -33,21 +33,25 @@ import torch
 from transformers import DynamicCache
 
 from orchestrator import layers as layer_contract
+from orchestrator import compute as compute_mod
 from orchestrator.capture import HiddenStateCapture, num_decoder_layers
+from orchestrator.compute import Compute
 from orchestrator.draft.export import load_draft
 from orchestrator.draft.model import DraftCache
 from orchestrator.targets import load_target
 
 
 class Engine:
-    def __init__(self, target: Path, draft: Path | None, steps: int, family: str, sglang_version: str):
-        self.model, self.tokenizer = load_target(target)
+    def __init__(self, target: Path, draft: Path | None, steps: int, family: str, sglang_version: str, compute: Compute):
+        self.compute = compute
+        self.model, self.tokenizer = load_target(target, compute=compute)
         self.eos = self.tokenizer.eos_token_id
         self.steps = steps
         self.draft = None
         self.layers: list[int] = []
         if draft is not None:
             self.draft, conf = load_draft(draft)
+            self.draft.to(compute.device)
             ids = conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
             n = num_decoder_layers(self.model)
             self.layers = layer_contract.from_sglang_ids(ids, n, family, sglang_version)
@@ -72,6 +76,7 @@ class Engine:
         reported by /get_server_info as the mean per occurrence: the profile of the serve cycle."""
         started = time.perf_counter()
         yield
+        compute_mod.synchronize(self.compute.device)
         with self.stats_lock:
             total = self.phases.setdefault(phase, [0.0, 0])
             total[0] += time.perf_counter() - started
@@ -94,7 +99,7 @@ class Engine:
     def _baseline(self, prompt: list[int], max_new: int) -> list[int]:
         cache = DynamicCache()
         with self.timed("prefill"):
-            logits = self.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
+            logits = self.model(input_ids=torch.tensor([prompt], device=self.compute.device), past_key_values=cache, use_cache=True).logits
         out = []
         while True:
             token = int(logits[0, -1].argmax())
@@ -102,7 +107,7 @@ class Engine:
             if len(out) >= max_new or token == self.eos:
                 return out
             with self.timed("decode"):
-                logits = self.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits
+                logits = self.model(input_ids=torch.tensor([[token]], device=self.compute.device), past_key_values=cache, use_cache=True).logits
 
     def _speculative(self, prompt: list[int], max_new: int) -> tuple[list[int], int, list[int]]:
         steps = self.steps
@@ -110,10 +115,10 @@ class Engine:
         histogram = [0] * (steps + 1)
         with HiddenStateCapture(self.model, self.layers) as capture:
             with self.timed("prefill"):
-                logits = self.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
+                logits = self.model(input_ids=torch.tensor([prompt], device=self.compute.device), past_key_values=cache, use_cache=True).logits
                 token = int(logits[0, -1].argmax())
                 # Commit positions 0..P-1: target states there, each with the token that follows it.
-                h = self.draft.extend(capture.aux(), torch.tensor([prompt[1:] + [token]]), 0, dcache)
+                h = self.draft.extend(capture.aux(), torch.tensor([prompt[1:] + [token]], device=self.compute.device), 0, dcache)
             out = [token]
             last = len(prompt) - 1
             verify = 0
@@ -121,7 +126,7 @@ class Engine:
                 with self.timed("draft_chain"):
                     drafts = self.draft.chain(h, last, dcache, steps)
                 with self.timed("verify"):
-                    logits = self.model(input_ids=torch.tensor([[token] + drafts]), past_key_values=cache, use_cache=True).logits
+                    logits = self.model(input_ids=torch.tensor([[token] + drafts], device=self.compute.device), past_key_values=cache, use_cache=True).logits
                     preds = logits[0].argmax(-1).tolist()
                 accepted = 0
                 while accepted < steps and drafts[accepted] == preds[accepted]:
@@ -131,7 +136,7 @@ class Engine:
                 histogram[accepted] += 1
                 with self.timed("draft_extend"):
                     _keep(cache, last + 1 + accepted + 1)
-                    h = self.draft.extend(capture.aux()[:, : accepted + 1], torch.tensor([new]), last + 1, dcache)
+                    h = self.draft.extend(capture.aux()[:, : accepted + 1], torch.tensor([new], device=self.compute.device), last + 1, dcache)
                 last += accepted + 1
                 token = new[-1]
                 for t in new:  # stop at eos or the token budget, whichever the new tokens reach first
@@ -276,10 +281,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="where the target computes, e.g. cuda:0, or cuda:0,cuda:1 to spread it; the draft takes the first")
+    parser.add_argument("--dtype", default="float32", choices=sorted(compute_mod.DTYPES), help="the target's dtype (the draft keeps its config's)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine(args.target, args.draft, args.num_steps, args.family, args.sglang_version)
+    compute = compute_mod.Compute(devices=tuple(torch.device(d) for d in args.device.split(",")), dtype=compute_mod.DTYPES[args.dtype])
+    engine = Engine(args.target, args.draft, args.num_steps, args.family, args.sglang_version, compute)
     worker = MainThreadWorker(engine)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(engine, worker))
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()

@@ -21,6 +21,7 @@ import torch
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import ArtifactError, read_manifest, write_json, write_manifest
 from orchestrator.capture import HiddenStateCapture
+from orchestrator.compute import Compute
 from orchestrator.config import RootConfig
 from orchestrator.data import conversations, prompt_ids
 from orchestrator.draft import export as draft_export
@@ -35,7 +36,7 @@ def served_layers(cfg: RootConfig, draft_conf: dict[str, Any]) -> list[int]:
 
 
 @torch.no_grad()
-def text_accuracy(model, draft, served: list[int], seqs, steps: int) -> dict[str, float]:
+def text_accuracy(model, draft, served: list[int], seqs, steps: int, device: torch.device) -> dict[str, float]:
     """Per draft position k, on the validation sequences training validated on: the accuracy of the draft fed
     the states the serving engine captures from the live target (`served`), and, paired with it position by
     position, the accuracy of the same draft fed the extracted states it was trained on (`seqs[i].aux`).
@@ -50,11 +51,11 @@ def text_accuracy(model, draft, served: list[int], seqs, steps: int) -> dict[str
             length = len(s.input_ids)
             if length < 3:
                 continue
-            ids = s.input_ids[None]
-            target_argmax = model(input_ids=ids, use_cache=False).logits.argmax(-1)[0]
-            valid = torch.ones(1, length - 1, dtype=torch.bool)
-            live = draft.unroll(capture.aux()[:, :-1], ids[:, 1:], valid, steps)
-            reference = draft.unroll(s.aux[None, :-1], ids[:, 1:], valid, steps)
+            ids = s.input_ids[None].to(device)
+            target_argmax = model(input_ids=ids, use_cache=False).logits.argmax(-1)[0].cpu()
+            valid = torch.ones(1, length - 1, dtype=torch.bool, device=device)
+            live = [x[0].cpu() for x in draft.unroll(capture.aux()[:, :-1].to(device), ids[:, 1:], valid, steps).tokens]
+            reference = [x[0].cpu() for x in draft.unroll(s.aux[None, :-1].to(device), ids[:, 1:], valid, steps).tokens]
             capture.clear()
             t = torch.arange(length - 1)
             chain = torch.ones(length - 1, dtype=torch.bool)
@@ -62,8 +63,8 @@ def text_accuracy(model, draft, served: list[int], seqs, steps: int) -> dict[str
             for k in range(steps):
                 pos = (t + k + 1).clamp(max=length - 1)
                 mask = (t + k + 1 < length) & s.loss_mask[pos]
-                right_live = live.tokens[k][0] == target_argmax[pos]
-                right_ref = reference.tokens[k][0] == target_argmax[pos]
+                right_live = live[k] == target_argmax[pos]
+                right_ref = reference[k] == target_argmax[pos]
                 chain &= right_live
                 counts[k] += mask.sum()
                 live_right[k] += (right_live & mask).sum()
@@ -109,21 +110,22 @@ def simulate_cycles(draft_tokens: list[list[int]], sequence: list[int], prompt_l
 
 
 @torch.no_grad()
-def greedy_accept_length(model, tokenizer, draft, layers: list[int], prompts: list[list[int]], steps: int, max_new: int) -> dict[str, Any]:
+def greedy_accept_length(model, tokenizer, draft, layers: list[int], prompts: list[list[int]], steps: int, max_new: int,
+                         device: torch.device) -> dict[str, Any]:
     completion_total = verify_total = 0
     histogram = [0] * (steps + 1)
     eos = tokenizer.eos_token_id
     with HiddenStateCapture(model, layers) as capture:
         for prompt in prompts:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=device)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos)
             sequence = out[0].tolist()
             capture.clear()
-            full = torch.tensor([sequence])
+            full = torch.tensor([sequence], device=device)
             model(input_ids=full, use_cache=False)
-            aux = capture.aux()
+            aux = capture.aux().to(device)
             length = full.shape[1]
-            unrolled = draft.unroll(aux[:, :-1], full[:, 1:], torch.ones(1, length - 1, dtype=torch.bool), steps)
+            unrolled = draft.unroll(aux[:, :-1], full[:, 1:], torch.ones(1, length - 1, dtype=torch.bool, device=device), steps)
             tokens = [u[0].tolist() for u in unrolled.tokens]
             completion, verify, hist = simulate_cycles(tokens, sequence, len(prompt), steps, max_new)
             completion_total += completion
@@ -170,7 +172,7 @@ def mismatch_causes(cfg: RootConfig, prov: dict[str, Any], layers: list[int], ta
     return causes
 
 
-def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
+def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     from orchestrator.stages.serve import served_draft_dir
     from orchestrator.stages.train import load_split
 
@@ -178,6 +180,7 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     draft_dir = served_draft_dir(cfg, plan)
     draft, draft_conf = draft_export.load_draft(draft_dir)
+    draft.to(compute.device)
     prov = draft_export.provenance(draft_dir)
     extract_dir = plan.dir("extract")
     manifest = read_manifest(extract_dir, "extract")
@@ -187,13 +190,13 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
             f"trained on ({prov.get('extract_key')}); eval compares the draft on the same validation sequences, so it "
             "needs that extraction"
         )
-    model, tokenizer = load_target(Path(plan.target_dir), cfg.target.trust_remote_code)
+    model, tokenizer = load_target(Path(plan.target_dir), cfg.target.trust_remote_code, compute)
     layers = served_layers(cfg, draft_conf)
     steps = cfg.eval.draft_steps
     trained_steps = prov.get("trained_ttt_steps", steps)
     flags: list[str] = []
     result: dict[str, Any] = {"served_layers": layers, "trained_layers": prov.get("aux_layers"), "draft_steps": steps,
-                              "draft_dtype": str(draft.fc.weight.dtype).removeprefix("torch.")}
+                              "draft_dtype": str(draft.fc.weight.dtype).removeprefix("torch."), "compute": compute.describe()}
     if len(layers) != draft.shape.num_aux_layers:
         # Nothing can be measured: the draft cannot consume what serving captures. No accuracy is reported.
         flags.append(
@@ -205,10 +208,10 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
     else:
         val_seqs = load_split(extract_dir, manifest, "val", prov["aux_layers"])[: cfg.eval.max_conversations]
         positions = min(steps, trained_steps) if trained_steps else steps
-        acc = text_accuracy(model, draft, layers, val_seqs, positions)
+        acc = text_accuracy(model, draft, layers, val_seqs, positions, compute.device)
         _, val_convs = conversations(cfg.data, cfg.seed)
         prompts = [prompt_ids(tokenizer, c, cfg.data.max_seq_len) for c in val_convs[: cfg.eval.prompts]]
-        greedy = greedy_accept_length(model, tokenizer, draft, layers, prompts, steps, cfg.eval.max_new_tokens)
+        greedy = greedy_accept_length(model, tokenizer, draft, layers, prompts, steps, cfg.eval.max_new_tokens, compute.device)
         val = prov.get("val_metrics", {})
         result |= acc | greedy | {"sequences": len(val_seqs), "train_val_acc": [val.get(f"acc_{k}") for k in range(positions)]}
         significant, noise = significant_gaps(acc, positions, cfg.eval.acc_tolerance)

@@ -3,12 +3,13 @@
 Output folder (content-addressed by the plan's cache key):
     {train,val}/shard_NNNNN.safetensors   input_ids int32[T], loss_mask uint8[T], seq_lens int32[n],
                                           aux_hidden_states [T, K*H], teacher_hidden_state [T, H]
-    {train,val}/shard_NNNNN.json          size and sha256 of the shard, written after it (its completion mark)
+    {train,val}/shard_NNNNN.json          size, sha256 and counts of the shard, written after it (its completion mark)
     token_freq.safetensors                counts int64[V] of loss-masked train tokens (for the draft vocabulary)
     manifest.json                         written last
 
 Positions are stored unshifted (position t holds the states computed at token t); the trainer applies the
-EAGLE shift. Resumable at shard granularity: a shard with its .json is done and is skipped on restart.
+EAGLE shift. Resumable at shard granularity: a shard with its .json is done and is skipped on restart. Data-parallel: each
+rank of the job writes its own shards (see `run`); the manifest is written once, after all of them.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import atomic_path, file_sha256, read_json, write_json, write_manifest
 from orchestrator.capture import HiddenStateCapture
+from orchestrator.compute import Compute
 from orchestrator.config import RootConfig, captured_layers
 from orchestrator.data import Rendered, conversations, sequences
 from orchestrator.targets import ensure_target, identity, load_target
@@ -39,60 +42,70 @@ CONVENTIONS = {
 }
 
 
-def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
+def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
+    """Extracts every conversation's states, data-parallel over the job's ranks.
+
+    The shards are fixed by the data alone: shard i of a split holds conversations [i*S, (i+1)*S) with
+    S = `extract.shard_conversations`. Rank r of N extracts the shards i with i % N == r, so what every shard
+    holds does not depend on N. Rank 0 writes the token counts and the manifest once every rank is done."""
     out = plan.dir("extract")
     out.mkdir(parents=True, exist_ok=True)
-    target_path = ensure_target(cfg)
+    target_path = ensure_target(cfg)  # a tiny target is built under a file lock: ranks wait for one build
     target = identity(cfg, target_path)
-    model, tokenizer = load_target(target_path, cfg.target.trust_remote_code)
     train_convs, val_convs = conversations(cfg.data, cfg.seed)
     n = target.num_hidden_layers
     layers = list(layer_contract.validate_canonical(captured_layers(cfg), n))
+    size = cfg.extract.shard_conversations
+    shards = {
+        split: [convs[i : i + size] for i in range(0, len(convs), size)]
+        for split, convs in (("train", train_convs), ("val", val_convs))
+    }
+    mine = [(split, i) for split in shards for i in range(len(shards[split])) if i % compute.world_size == compute.rank]
 
     started = time.time()
-    splits, tokens_done, bytes_done, all_rendered, regenerate_s = {}, 0, 0, {}, 0.0
-    for split, convs in (("train", train_convs), ("val", val_convs)):
+    model, tokenizer = load_target(target_path, cfg.target.trust_remote_code, compute)
+    tokens_done, regenerate_s = 0, 0.0
+    desc = f"extract (rank {compute.rank}/{compute.world_size})" if compute.distributed else "extract"
+    for split, index in tqdm(mine, desc=desc, unit="shard"):
+        shard = out / split / f"shard_{index:05d}.safetensors"
+        if shard.with_suffix(".json").exists() and shard.exists():
+            continue
         begin = time.time()
-        rendered = all_rendered[split] = _sequences(model, tokenizer, convs, split, out, cfg)
+        rendered = _sequences(model, tokenizer, shards[split][index], split, index, out, cfg)
         regenerate_s += time.time() - begin if cfg.data.regenerate.enabled else 0.0
-        shards = []
-        size = cfg.extract.shard_conversations
-        chunks = [rendered[i : i + size] for i in range(0, len(rendered), size)]
-        for index, chunk in enumerate(tqdm(chunks, desc=f"extract {split}", unit="shard")):
-            shard = out / split / f"shard_{index:05d}.safetensors"
-            record_path = shard.with_suffix(".json")
-            if record_path.exists() and shard.exists():
-                record = read_json(record_path, "shard record")
-            else:
-                tensors = _extract_chunk(model, tokenizer, chunk, layers, cfg)
-                with atomic_path(shard) as tmp:
-                    save_file(tensors, str(tmp))
-                record = {
-                    "file": f"{split}/{shard.name}",
-                    "bytes": shard.stat().st_size,
-                    "sha256": file_sha256(shard),
-                    "num_tokens": int(tensors["input_ids"].numel()),
-                    "num_sequences": int(tensors["seq_lens"].numel()),
-                }
-                write_json(record_path, record)
-                tokens_done += record["num_tokens"]
-                bytes_done += record["bytes"]
-            shards.append(record)
-        loss_tokens = sum(sum(r.loss_mask) for r in rendered)
-        splits[split] = {
-            "shards": shards,
-            "num_tokens": sum(s["num_tokens"] for s in shards),
-            "num_sequences": sum(s["num_sequences"] for s in shards),
-            "num_loss_tokens": loss_tokens,
-            "loss_tokens_per_sequence": loss_tokens / max(len(rendered), 1),
-        }
+        tensors = _extract_chunk(model, tokenizer, rendered, layers, cfg, compute)
+        with atomic_path(shard) as tmp:
+            save_file(tensors, str(tmp))
+        write_json(shard.with_suffix(".json"), {
+            "file": f"{split}/{shard.name}",
+            "bytes": shard.stat().st_size,
+            "sha256": file_sha256(shard),
+            "num_tokens": int(tensors["input_ids"].numel()),
+            "num_sequences": int(tensors["seq_lens"].numel()),
+            "num_loss_tokens": int(tensors["loss_mask"].sum()),
+        })
+        tokens_done += int(tensors["input_ids"].numel())
+    seconds = time.time() - started
+    # Every rank's shards are complete before anyone reads them: the slowest rank's time is the stage's.
+    totals = compute.all_reduce_sum(torch.tensor([tokens_done, regenerate_s, seconds], dtype=torch.float64))
+    slowest = compute.all_reduce_max(torch.tensor([seconds, regenerate_s], dtype=torch.float64))
+    if not compute.is_main:
+        return {}
 
-    counts = torch.zeros(target.vocab_size, dtype=torch.int64)
-    for r in all_rendered["train"]:
-        ids = torch.tensor(r.input_ids)
-        counts.index_add_(0, ids[torch.tensor(r.loss_mask, dtype=torch.bool)], torch.ones(int(sum(r.loss_mask)), dtype=torch.int64))
+    splits = {}
+    for split, chunks in shards.items():
+        records = [read_json(out / split / f"shard_{i:05d}.json", "shard record") for i in range(len(chunks))]
+        loss_tokens = sum(r["num_loss_tokens"] for r in records)
+        sequences_ = sum(r["num_sequences"] for r in records)
+        splits[split] = {
+            "shards": records,
+            "num_tokens": sum(r["num_tokens"] for r in records),
+            "num_sequences": sequences_,
+            "num_loss_tokens": loss_tokens,
+            "loss_tokens_per_sequence": loss_tokens / max(sequences_, 1),
+        }
     with atomic_path(out / "token_freq.safetensors") as tmp:
-        save_file({"counts": counts}, str(tmp))
+        save_file({"counts": _token_counts(out, splits["train"]["shards"], target.vocab_size)}, str(tmp))
 
     per_seq = splits["train"]["loss_tokens_per_sequence"]
     if cfg.data.regenerate.enabled and per_seq < MIN_RESPONSE_TOKENS:
@@ -101,18 +114,19 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
             f"{MIN_RESPONSE_TOKENS}): it ends its answers at once, so the draft has little to learn from. Check the target "
             "and its chat template, or train on the data set's responses (data.regenerate.enabled=false)."
         )
-    seconds = time.time() - started
     total_tokens = splits["train"]["num_tokens"] + splits["val"]["num_tokens"]
     total_bytes = sum(s["bytes"] for sp in splits.values() for s in sp["shards"])
+    extracted_now = int(totals[0])
     result = {
         "tokens": total_tokens,
-        "tokens_extracted_now": tokens_done,
-        # hidden-state extraction alone; the target's own responses took `regenerate_s` before it
-        "tokens_per_s": tokens_done / max(seconds - regenerate_s, 1e-9) if tokens_done else 0.0,
-        "regenerate_s": regenerate_s,
+        "tokens_extracted_now": extracted_now,
+        # hidden-state extraction alone, over all ranks; the target's own responses took `regenerate_s` before it
+        "tokens_per_s": extracted_now / max(float(slowest[0] - slowest[1]), 1e-9) if extracted_now else 0.0,
+        "regenerate_s": float(slowest[1]),
         "bytes_per_token": total_bytes / max(total_tokens, 1),
         "loss_tokens_per_sequence": per_seq,
         "output": str(out),
+        "compute": compute.describe(),
     }
     result["headline"] = {k: result[k] for k in ("tokens", "tokens_per_s", "bytes_per_token")}
     write_manifest(
@@ -127,6 +141,7 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
             "teacher": {"kind": cfg.extract.teacher, "capture_point": layer_contract.hf_teacher_capture_point(cfg.extract.teacher, n)},
             "hidden_size": target.hidden_size,
             "dtype": cfg.extract.dtype,
+            "compute": compute.describe(),
             "conventions": CONVENTIONS,
             "data": {"name": cfg.data.name, "max_seq_len": cfg.data.max_seq_len, "seed": cfg.seed,
                      "files": {f: file_sha256(Path(f)) for f in [*cfg.data.train_files, *cfg.data.val_files]},
@@ -141,13 +156,23 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
     return result
 
 
-def _sequences(model, tokenizer, convs, split: str, out: Path, cfg: RootConfig) -> list[Rendered]:
-    """The split's token sequences (see `data.sequences`). Regenerated ones are kept in
-    `<split>/regenerated.safetensors` (input_ids int32[T], seq_lens and response_lens int32[n]), so a restarted
-    extraction does not generate them again."""
+def _token_counts(out: Path, records: list[dict[str, Any]], vocab_size: int) -> torch.Tensor:
+    """Occurrences of each token among the loss-masked train tokens, read back from the shards (every rank's)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for record in records:
+        with safe_open(str(out / record["file"]), framework="pt") as f:
+            ids = f.get_tensor("input_ids").long()[f.get_tensor("loss_mask").bool()]
+        counts.index_add_(0, ids, torch.ones_like(ids))
+    return counts
+
+
+def _sequences(model, tokenizer, convs, split: str, index: int, out: Path, cfg: RootConfig) -> list[Rendered]:
+    """One shard's token sequences (see `data.sequences`). Regenerated ones are kept in
+    `<split>/regenerated_NNNNN.safetensors` (input_ids int32[T], seq_lens and response_lens int32[n]), so a
+    restarted extraction does not generate them again. Sampling (temperature > 0) is seeded per shard."""
     if not cfg.data.regenerate.enabled:
         return sequences(model, tokenizer, convs, cfg.data, split, cfg.seed)
-    path = out / split / "regenerated.safetensors"
+    path = out / split / f"regenerated_{index:05d}.safetensors"
     if path.exists():
         kept = load_file(str(path))
         offsets = [0] + torch.cumsum(kept["seq_lens"].long(), 0).tolist()
@@ -156,7 +181,7 @@ def _sequences(model, tokenizer, convs, split: str, out: Path, cfg: RootConfig) 
             ids = kept["input_ids"][a:b].tolist()
             rendered.append(Rendered(ids, [0] * (len(ids) - n) + [1] * n))
         return rendered
-    rendered = sequences(model, tokenizer, convs, cfg.data, split, cfg.seed)
+    rendered = sequences(model, tokenizer, convs, cfg.data, split, cfg.seed * 100_003 + index)
     tensors = {
         "input_ids": torch.tensor([t for r in rendered for t in r.input_ids], dtype=torch.int32),
         "seq_lens": torch.tensor([len(r.input_ids) for r in rendered], dtype=torch.int32),
@@ -168,7 +193,7 @@ def _sequences(model, tokenizer, convs, split: str, out: Path, cfg: RootConfig) 
 
 
 @torch.no_grad()
-def _extract_chunk(model, tokenizer, chunk, layers: list[int], cfg: RootConfig) -> dict[str, torch.Tensor]:
+def _extract_chunk(model, tokenizer, chunk, layers: list[int], cfg: RootConfig, compute: Compute) -> dict[str, torch.Tensor]:
     dtype = DTYPES[cfg.extract.dtype]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids_out, mask_out, aux_out, teacher_out, lens = [], [], [], [], []
@@ -181,8 +206,8 @@ def _extract_chunk(model, tokenizer, chunk, layers: list[int], cfg: RootConfig) 
             for row, r in enumerate(batch):
                 ids[row, : len(r.input_ids)] = torch.tensor(r.input_ids)
                 attn[row, : len(r.input_ids)] = 1
-            model(input_ids=ids, attention_mask=attn, use_cache=False)
-            aux, teacher = capture.aux(), capture.teacher()
+            model(input_ids=ids.to(compute.device), attention_mask=attn.to(compute.device), use_cache=False)
+            aux, teacher = capture.aux().cpu(), capture.teacher().cpu()
             for row, r in enumerate(batch):
                 length = len(r.input_ids)
                 ids_out.append(ids[row, :length])

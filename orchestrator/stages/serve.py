@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from orchestrator import compute as compute_mod
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import read_json, write_json, write_manifest
+from orchestrator.compute import Compute
 from orchestrator.config import RootConfig
 from orchestrator.data import conversations, prompt_ids
 from orchestrator.serving import client
@@ -47,22 +49,27 @@ def _ids_as_written(cfg: RootConfig, layers: list[int]) -> list[int]:
         return layers  # written as-is, as a pipeline without the contract would
 
 
-def server_command(cfg: RootConfig, target: Path, draft: Path | None, port: int) -> list[str]:
+def server_command(cfg: RootConfig, target: Path, draft: Path | None, port: int, compute: Compute | None = None) -> list[str]:
+    """The serving engine's command line; the reference engine computes on `compute`'s devices and dtype (the CPU
+    in float32 without one)."""
     s = cfg.serve
+    compute = compute or compute_mod.cpu()
     if s.engine == "sglang":
         return sglang_engine.launch_command(cfg, str(target), str(draft) if draft else None, port)
     cmd = [sys.executable, "-m", "orchestrator.serving.reference", "--target", str(target), "--port", str(port),
            "--num-steps", str(s.num_steps), "--family", cfg.target.family, "--sglang-version", s.sglang_version]
     if draft:
         cmd += ["--draft", str(draft)]
+    cmd += ["--device", ",".join(str(d) for d in compute.devices), "--dtype", str(compute.dtype).removeprefix("torch.")]
     # the job's CPUs, unless serve.threads says otherwise (see pipeline.run_stage)
     return cmd + ["--threads", str(s.threads or s.resources.cpus_per_task)]
 
 
-def run_server(cfg: RootConfig, mode: str, target: Path, draft: Path | None, prompts: list[list[int]], out: Path) -> dict[str, Any]:
+def run_server(cfg: RootConfig, mode: str, target: Path, draft: Path | None, prompts: list[list[int]], out: Path,
+               compute: Compute) -> dict[str, Any]:
     s = cfg.serve
     port = client.free_port()
-    command = server_command(cfg, target, draft, port)
+    command = server_command(cfg, target, draft, port, compute)
     if s.engine == "sglang" and sglang_engine.sglang_available(s.python):
         sglang_engine.validate_with_sglang(s.python, command)
     log = out / f"{mode}_server.log"
@@ -84,7 +91,7 @@ def _median_pass(server, prompts: list[list[int]], concurrency: int, s) -> dict[
     return median | {"output_tok_s_passes": [p["output_tok_s"] for p in passes]}
 
 
-def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
+def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     s = cfg.serve
     out = plan.dir("serve")
     out.mkdir(parents=True, exist_ok=True)
@@ -108,8 +115,8 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
 
     servers = {}
     try:
-        servers["baseline"] = run_server(cfg, "baseline", target, None, prompts, out)
-        servers["speculative"] = run_server(cfg, "speculative", target, draft, prompts, out)
+        servers["baseline"] = run_server(cfg, "baseline", target, None, prompts, out, compute)
+        servers["speculative"] = run_server(cfg, "speculative", target, draft, prompts, out, compute)
     finally:
         for mode in ("baseline", "speculative"):
             log = out / f"{mode}_server.log"
@@ -139,7 +146,8 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
     state = servers["speculative"]["server_info"]["internal_states"][0]
     histogram = state.get("spec_accept_histogram")
     result: dict[str, Any] = {k: head[k] for k in ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length")}
-    result |= {"greedy_outputs_identical": identical, "per_concurrency": per_concurrency, "eagle_aux_hidden_state_layer_ids": ids}
+    result |= {"greedy_outputs_identical": identical, "per_concurrency": per_concurrency, "eagle_aux_hidden_state_layer_ids": ids,
+               "compute": compute.describe()}
     if histogram:
         reached = [sum(histogram[j:]) for j in range(len(histogram))]
         result["accept_rate_by_position"] = [reached[k + 1] / reached[k] if reached[k] else 0.0 for k in range(len(histogram) - 1)]

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import ArtifactError, atomic_path, file_sha256, write_json, write_manifest
+from orchestrator.compute import Compute
 from orchestrator.config import RootConfig
 from orchestrator.draft import export as draft_export
 from orchestrator.draft import rope as draft_rope
@@ -107,6 +108,9 @@ class Batch:
     aux: torch.Tensor  # [B, L, K*Ht] float32
     teacher: torch.Tensor  # [B, L, Ht] float32
 
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(*(t.to(device, non_blocking=True) for t in (self.ids, self.loss_mask, self.lengths, self.aux, self.teacher)))
+
 
 def collate(seqs: list[Sequence]) -> Batch:
     width = max(len(s.input_ids) for s in seqs)
@@ -163,7 +167,7 @@ def ttt_step_targets(batch: Batch, teacher_logits: torch.Tensor, steps: int):
     t+k+1: the text's token under teacher forcing, the draft's own step k-1 token when served."""
     width = batch.ids.shape[1]
     length = width - 1
-    t = torch.arange(length)
+    t = torch.arange(length, device=batch.ids.device)
     out = []
     for k in range(steps):
         pos = t + k + 1
@@ -176,25 +180,37 @@ def ttt_step_targets(batch: Batch, teacher_logits: torch.Tensor, steps: int):
     return out
 
 
+def step_counts(batch: Batch, steps: int) -> torch.Tensor:
+    """Loss-masked positions per TTT step in the batch, int64 [steps] on the CPU: each step's loss is a mean over
+    these, taken over the global batch when it is split between ranks."""
+    return torch.stack([mask.sum() for _, mask, _ in ttt_step_targets(batch, batch.loss_mask, steps)]).cpu()
+
+
 def ttt_forward(draft: Eagle3Draft, head: TeacherHead, batch: Batch, steps: int, kept: torch.Tensor, weights: list[float],
-                own_tokens: bool = False):
+                own_tokens: bool = False, denominators: torch.Tensor | None = None):
     """Loss and per-step accuracy counts of one batch: steps k >= 1 consume the text's tokens (teacher forcing,
-    for training) or, with `own_tokens`, the draft's own previous tokens as a serving engine does (validation)."""
+    for training) or, with `own_tokens`, the draft's own previous tokens as a serving engine does (validation).
+
+    Step k's loss is its cross-entropy summed over the loss-masked positions and divided by `denominators[k]`:
+    by default this batch's count of them; for a rank's share of a global batch, the global count times 1/N, so
+    that DDP's mean of the N ranks' gradients is the gradient of the global batch's loss."""
     with torch.no_grad():
         teacher_kept, teacher_best = head(batch.teacher, kept)
     targets = ttt_step_targets(batch, teacher_kept, steps)
     best = [t_best for t_best, _, _ in ttt_step_targets(batch, teacher_best, steps)]
-    valid = torch.arange(batch.ids.shape[1] - 1)[None, :] < (batch.lengths[:, None] - 1)
+    valid = torch.arange(batch.ids.shape[1] - 1, device=batch.ids.device)[None, :] < (batch.lengths[:, None] - 1)
     source = None if own_tokens else (lambda k, _tokens: targets[k + 1][2])
     unrolled = draft.unroll(batch.aux[:, :-1], batch.ids[:, 1:], valid, steps, token_source=source)
-    loss = torch.zeros(())
-    stats = {"correct": [], "all_correct": [], "count": []}
+    loss = torch.zeros((), device=batch.ids.device)
+    stats = {"correct": [], "all_correct": [], "count": [], "ce_sum": []}
     chain_ok = None
     for k, ((t_kept, mask, _), t_best, d_logits, d_tokens) in enumerate(zip(targets, best, unrolled.logits, unrolled.tokens)):
         p = F.softmax(t_kept, dim=-1)
         ce = -(p * F.log_softmax(d_logits.float(), dim=-1)).sum(-1)
-        denom = mask.sum().clamp(min=1)
-        loss = loss + weights[k] * (ce * mask).sum() / denom
+        denom = mask.sum().clamp(min=1) if denominators is None else denominators[k]
+        masked = (ce * mask).sum()
+        loss = loss + weights[k] * masked / denom
+        stats["ce_sum"].append(float(masked.detach()))
         right = d_tokens == t_best
         chain_ok = right if chain_ok is None else chain_ok & right
         stats["correct"].append(int((right & mask).sum()))
@@ -204,6 +220,8 @@ def ttt_forward(draft: Eagle3Draft, head: TeacherHead, batch: Batch, steps: int,
 
 
 def summarize(stats_list: list[dict], steps: int, draft_steps: int) -> dict[str, float]:
+    """Per-step accuracies over all positions of `stats_list` (one entry per batch and rank), and the expected
+    accept length they imply."""
     out: dict[str, float] = {}
     for k in range(steps):
         count = sum(s["count"][k] for s in stats_list) or 1
@@ -230,18 +248,46 @@ def batches_for_step(n: int, batch_size: int, seed: int, step: int) -> list[int]
     return order[index * batch_size : (index + 1) * batch_size]
 
 
-def evaluate(draft, head, seqs, steps, kept, weights, batch_size, draft_steps) -> dict[str, float]:
+def evaluate(draft, head, seqs, steps, kept, weights, batch_size, draft_steps, compute: Compute) -> dict[str, float]:
     """Validation metrics of the draft run as served (its own tokens feed later steps), so that the standalone
-    eval's per-position accuracies are the same quantities."""
+    eval's per-position accuracies are the same quantities. Each rank takes every N-th sequence; the counts are
+    summed over ranks, so every rank gets the metrics of the whole split, the same whatever N is. The loss is each
+    step's cross-entropy averaged over all the split's positions, weighted as in training."""
     draft.eval()
-    stats, losses = [], []
+    mine = list(range(compute.rank, len(seqs), compute.world_size))
+    totals = torch.zeros(4, steps, dtype=torch.float64)  # correct, all_correct, count, ce_sum
     with torch.no_grad():
-        for i in range(0, len(seqs), batch_size):
-            loss, s = ttt_forward(draft, head, collate(seqs[i : i + batch_size]), steps, kept, weights, own_tokens=True)
-            stats.append(s)
-            losses.append(float(loss))
+        for i in range(0, len(mine), batch_size):
+            batch = collate([seqs[j] for j in mine[i : i + batch_size]]).to(compute.device)
+            _, s = ttt_forward(draft, head, batch, steps, kept, weights, own_tokens=True)
+            totals += torch.tensor([s["correct"], s["all_correct"], s["count"], s["ce_sum"]], dtype=torch.float64)
+    totals = compute.all_reduce_sum(totals)
     draft.train()
-    return {"loss": sum(losses) / max(len(losses), 1)} | summarize(stats, steps, draft_steps)
+    merged = {name: totals[i].tolist() for i, name in enumerate(("correct", "all_correct", "count", "ce_sum"))}
+    loss = sum(w * c / max(n, 1) for w, c, n in zip(weights, merged["ce_sum"], merged["count"]))
+    return {"loss": loss} | summarize([merged], steps, draft_steps)
+
+
+class TrainStep(torch.nn.Module):
+    """The draft's training loss as a module's forward: DDP synchronises the gradients of what its wrapped
+    module's forward computes, and the draft's unroll is not its forward. The teacher head is an argument, not a
+    submodule, so DDP neither broadcasts nor holds its frozen [vocabulary, hidden] weights."""
+
+    def __init__(self, draft: Eagle3Draft):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, head: TeacherHead, batch: Batch, steps: int, kept: torch.Tensor, weights: list[float],
+                denominators: torch.Tensor):
+        return ttt_forward(self.draft, head, batch, steps, kept, weights, denominators=denominators)
+
+
+def rank_share(indices: list[int], compute: Compute) -> tuple[list[int], bool]:
+    """This rank's sequences of a global batch (every N-th), and whether they count: an epoch's short last batch
+    can leave a rank none, and that rank then runs a sequence with no loss positions so that DDP's collective
+    calls still match."""
+    share = indices[compute.rank :: compute.world_size]
+    return (share, True) if share else (indices[:1], False)
 
 
 def build_draft(cfg: RootConfig, target_path: Path, extract_dir: Path, manifest: dict) -> tuple[Eagle3Draft, TeacherHead]:
@@ -269,7 +315,10 @@ def build_draft(cfg: RootConfig, target_path: Path, extract_dir: Path, manifest:
     return draft, head
 
 
-def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
+def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
+    """Trains on every rank of the job (DDP: one process per GPU, or gloo processes on CPUs). Each global batch
+    is the same whatever the number of ranks, split between them; rank 0 alone writes checkpoints, the export,
+    metrics and the manifest."""
     tc = cfg.train
     if tc.threads:
         torch.set_num_threads(tc.threads)
@@ -287,61 +336,87 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
     train_seqs = load_split(extract_dir, manifest, "train", list(tc.layers))
     val_seqs = load_split(extract_dir, manifest, "val", list(tc.layers))
     draft, head = build_draft(cfg, target_path, extract_dir, manifest)
-    kept = draft.to_target_ids(torch.arange(draft.shape.draft_vocab_size))
+    draft.to(compute.device)
+    head.to(compute.device)
+    kept = draft.to_target_ids(torch.arange(draft.shape.draft_vocab_size, device=compute.device))
     steps = tc.ttt_steps
     weights = [tc.step_weight_decay**k for k in range(steps)]
     per_epoch = math.ceil(len(train_seqs) / tc.batch_size)
     total = tc.max_steps or tc.epochs * per_epoch
     params = [p for p in draft.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=tc.lr, betas=(tc.beta1, tc.beta2), weight_decay=tc.weight_decay)
-    use_bf16 = tc.autocast_bf16 == "true" or (tc.autocast_bf16 == "auto" and torch.cuda.is_available())
+    bf16 = compute.dtype == torch.bfloat16  # autocast; the weights and the optimizer stay float32
 
     ckpt_path = out / "checkpoints" / "latest.pt"
     step, history = 0, []
-    if ckpt_path.exists():
-        state = torch.load(ckpt_path, weights_only=False)
+    if ckpt_path.exists():  # every rank resumes from rank 0's last checkpoint, whatever the world size was then
+        state = torch.load(ckpt_path, weights_only=False, map_location=compute.device)
         draft.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
         step, history = state["step"], state["history"]
         print(f"[train] resumed from {ckpt_path} at step {step}/{total}")
     draft_steps = cfg.serve.num_steps
+    model = TrainStep(draft)
+    if compute.distributed:
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[compute.device] if compute.device.type == "cuda" else None, broadcast_buffers=False
+        )
 
     def save_checkpoint() -> None:
-        with atomic_path(ckpt_path) as tmp:
-            torch.save({"model": draft.state_dict(), "optim": optim.state_dict(), "step": step, "history": history}, tmp)
+        if compute.is_main:
+            with atomic_path(ckpt_path) as tmp:
+                torch.save({"model": draft.state_dict(), "optim": optim.state_dict(), "step": step, "history": history}, tmp)
+
+    def validate() -> dict[str, float]:
+        return evaluate(draft, head, val_seqs, steps, kept, weights, tc.batch_size, draft_steps, compute)
 
     draft.train()
     tokens, window_started = 0, time.time()
-    bar = tqdm(total=total, initial=step, desc="train", unit="step")
+    bar = tqdm(total=total, initial=step, desc="train" + (f" (rank {compute.rank}/{compute.world_size})" if compute.distributed else ""), unit="step")
     while step < total:
-        batch = collate([train_seqs[i] for i in batches_for_step(len(train_seqs), tc.batch_size, tc.seed, step)])
+        share, counts = rank_share(batches_for_step(len(train_seqs), tc.batch_size, tc.seed, step), compute)
+        batch = collate([train_seqs[i] for i in share])
+        if not counts:
+            batch.loss_mask.zero_()
+        batch = batch.to(compute.device)
+        denominators = compute.all_reduce_sum(step_counts(batch, steps)).clamp(min=1) / compute.world_size
         for group in optim.param_groups:
             group["lr"] = lr_at(step, total, tc)
-        with torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16, enabled=use_bf16):
-            loss, stats = ttt_forward(draft, head, batch, steps, kept, weights)
+        with torch.autocast(compute.device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss, stats = model(head, batch, steps, kept, weights, denominators.to(compute.device))
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
         optim.step()
         step += 1
-        tokens += int(batch.lengths.sum())
+        tokens += int(batch.lengths.sum()) if counts else 0
         bar.update(1)
         if step % tc.log_every == 0 or step == total:
+            # the step's loss and teacher-forced counts, and the window's tokens, summed over ranks: the global batch's
+            summed = compute.all_reduce_sum(torch.tensor(
+                [float(loss.detach()) / compute.world_size, tokens]
+                + [stats[name][k] for name in ("correct", "all_correct", "count") for k in range(steps)], dtype=torch.float64))
             elapsed = time.time() - window_started
-            teacher_forced = summarize([stats], steps, draft_steps)
-            tracker.train_step(step, float(loss.detach()), optim.param_groups[0]["lr"], tokens / max(elapsed, 1e-9), teacher_forced)
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc0=f"{teacher_forced['acc_0']:.2f}")
+            last = {name: summed[2 + i * steps : 2 + (i + 1) * steps].tolist() for i, name in enumerate(("correct", "all_correct", "count"))}
+            teacher_forced = summarize([last], steps, draft_steps)
+            if compute.is_main:
+                tracker.train_step(step, float(summed[0]), optim.param_groups[0]["lr"], float(summed[1]) / max(elapsed, 1e-9), teacher_forced)
+            bar.set_postfix(loss=f"{float(summed[0]):.3f}", acc0=f"{teacher_forced['acc_0']:.2f}")
             tokens, window_started = 0, time.time()
         if step % tc.val_every == 0 or step == total:
-            val = evaluate(draft, head, val_seqs, steps, kept, weights, tc.batch_size, draft_steps)
+            val = validate()
             history.append({"step": step} | val)
-            tracker.train_validation(step, val)
+            if compute.is_main:
+                tracker.train_validation(step, val)
         if step % tc.checkpoint_every == 0 or step == total:
             save_checkpoint()
     bar.close()
 
-    final = history[-1] if history else evaluate(draft, head, val_seqs, steps, kept, weights, tc.batch_size, draft_steps)
+    final = history[-1] if history else validate()
+    if not compute.is_main:
+        return {}
     result = export_draft(cfg, plan, draft, manifest, target_path, final, steps)
+    result["compute"] = compute.describe()
     write_json(out / "metrics.json", {"history": history, "final": final})
     plot = plot_accuracy(final, steps, out / "accuracy_by_position.png")
     tracker.artifact(plot, "train")

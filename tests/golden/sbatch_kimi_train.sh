@@ -11,7 +11,7 @@
 #SBATCH --kill-on-invalid-dep=yes
 #SBATCH --mem=512GB
 #SBATCH --nodes=1
-#SBATCH --ntasks-per-node=1
+#SBATCH --ntasks-per-node=8
 #SBATCH --open-mode=append
 #SBATCH --output=/shared/runs/kimi_eagle3/jobs/%j_0_log.out
 #SBATCH --partition=gpu

@@ -1,0 +1,158 @@
+"""Which devices, which dtype, which rank, how many: decided once per job, from the job.
+
+A stage job's world comes from submitit's task model (`runner.StageJob` exports it as torch's standard
+variables: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). `setup` turns that and the
+stage's resources into a `Compute`: the process group (NCCL on GPUs, gloo on CPUs), the devices this process
+owns and the dtype it computes in. Stages, `targets.py` and the reference engine receive a `Compute`; nothing
+else calls `torch.cuda` or reads rank variables.
+
+Devices: a job given GPUs computes on them, and fails if it sees none. Its N visible GPUs per node are split
+evenly between the node's tasks in local-rank order: one GPU each when there is a task per GPU (training; the
+extraction of a target that fits one GPU), several when a task must spread a large target over them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PRECISIONS = ("auto", "float32", "bfloat16")
+
+
+class ComputeError(RuntimeError):
+    """A job whose resources and the hardware it landed on disagree."""
+
+
+def resolve_precision(precision: str, gpus_per_node: int) -> str:
+    """`auto` is bfloat16 on GPUs and float32 on CPUs; decided from the stage's resources, so a plan (and its cache
+    keys) knows the dtype before any job starts."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
+    if precision == "auto":
+        return "bfloat16" if gpus_per_node > 0 else "float32"
+    return precision
+
+
+@dataclass(frozen=True)
+class Compute:
+    devices: tuple[torch.device, ...]
+    dtype: torch.dtype
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    backend: str | None = None  # the process group's, when world_size > 1
+    _owns_group: bool = field(default=False, compare=False, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        """This process's first device: where its inputs and small models go."""
+        return self.devices[0]
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that writes checkpoints, exports, manifests and metrics."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def describe(self) -> dict:
+        """What the summary and the MLflow run record about how a stage ran."""
+        return {
+            "device": self.device.type,
+            "devices": [str(d) for d in self.devices],
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "world_size": self.world_size,
+            "backend": self.backend,
+        }
+
+    def barrier(self) -> None:
+        if self.distributed:
+            torch.distributed.barrier()
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """The elementwise sum of `values` over all ranks; itself when alone."""
+        if not self.distributed:
+            return values
+        moved = values.to(self.device if self.backend == "nccl" else "cpu")
+        torch.distributed.all_reduce(moved)
+        return moved.to(values.device)
+
+    def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of `values` over all ranks; itself when alone."""
+        if not self.distributed:
+            return values
+        moved = values.to(self.device if self.backend == "nccl" else "cpu")
+        torch.distributed.all_reduce(moved, op=torch.distributed.ReduceOp.MAX)
+        return moved.to(values.device)
+
+    def close(self) -> None:
+        if self._owns_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def cpu(dtype: str = "float32") -> Compute:
+    """One process on the CPU: tools, tests and anything outside a stage job."""
+    return Compute(devices=(torch.device("cpu"),), dtype=DTYPES[dtype])
+
+
+def setup(precision: str, gpus_per_node: int, timeout_min: int, what: str) -> Compute:
+    """The Compute of this process in a stage job with `gpus_per_node` GPUs; starts the process group when the
+    job has more than one task. `what` names the config node in errors (e.g. "train.resources")."""
+    dtype = DTYPES[resolve_precision(precision, gpus_per_node)]
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if gpus_per_node > 0:
+        devices = _gpus_of_task(local_rank, local_world, gpus_per_node, what)
+    else:
+        devices = (torch.device("cpu"),)
+    backend = None
+    owns = False
+    if world > 1:
+        backend = "nccl" if devices[0].type == "cuda" else "gloo"
+        if not torch.distributed.is_initialized():
+            if devices[0].type == "cuda":
+                torch.cuda.set_device(devices[0])
+            torch.distributed.init_process_group(
+                backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=timeout_min),
+                device_id=devices[0] if devices[0].type == "cuda" else None,
+            )
+            owns = True
+    return Compute(devices, dtype, rank, local_rank, world, backend, owns)
+
+
+def _gpus_of_task(local_rank: int, local_world: int, gpus_per_node: int, what: str) -> tuple[torch.device, ...]:
+    if not torch.cuda.is_available():
+        raise ComputeError(
+            f"{what}.gpus_per_node={gpus_per_node}, but this job sees no CUDA device (torch {torch.__version__}, "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Run it where the GPUs are, or set "
+            f"{what}.gpus_per_node=0 to compute on the CPU."
+        )
+    visible = torch.cuda.device_count()
+    if visible < local_world or visible % local_world:
+        raise ComputeError(
+            f"{what}: {local_world} tasks on this node share {visible} visible GPUs; each task needs the same whole "
+            f"number of GPUs. Set {what}.tasks_per_node to a divisor of {visible}."
+        )
+    per_task = visible // local_world
+    return tuple(torch.device("cuda", local_rank * per_task + i) for i in range(per_task))
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """A GPU's total memory, for placing a target across a task's GPUs."""
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work (timings of GPU code end here)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None

@@ -1,0 +1,99 @@
+"""Data-parallel extraction and distributed training on CPUs: real gloo process groups started through
+submitit's task model (cluster=local, two tasks), against the same stages in one process."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from orchestrator.compute import cpu
+from orchestrator.config import ConfigError
+from orchestrator.pipeline import make_plan, run_pipeline
+from orchestrator.stages.train import rank_share
+from orchestrator.targets import ensure_target
+
+from conftest import compose_config
+
+# One CPU per rank, and the one-process run also on one: the same float reductions in both.
+ONE_CPU = ["extract.resources.cpus_per_task=1", "train.resources.cpus_per_task=1"]
+
+
+@pytest.fixture(scope="module")
+def runs(outputs, tiny_config, tmp_path_factory):
+    """{ranks: (config, summary)} of `stages=[extract,train]` with 1 and with 2 processes per stage, each in its
+    own outputs folder (a copy of the session's tiny target), so that neither reuses the other's stages."""
+    ensure_target(tiny_config(), progress=False)
+    out = {}
+    for ranks in (1, 2):
+        root = tmp_path_factory.mktemp(f"ranks{ranks}")
+        shutil.copytree(outputs / "cache" / "targets", root / "cache" / "targets", ignore=shutil.ignore_patterns("*.lock"))
+        cfg = compose_config(root, "cluster=local", "stages=[extract,train]", *ONE_CPU,
+                             f"extract.resources.tasks_per_node={ranks}", f"train.resources.tasks_per_node={ranks}")
+        out[ranks] = (cfg, run_pipeline(cfg, root / "runs" / "r"))
+    return out
+
+
+def _shards(cfg) -> dict[str, dict[str, torch.Tensor]]:
+    folder = make_plan(cfg, cfg.outputs / "runs" / "r").dir("extract")
+    return {str(p.relative_to(folder)): load_file(str(p)) for p in sorted(folder.glob("*/shard_*.safetensors"))}
+
+
+def test_extraction_holds_the_same_sequences_and_states_with_two_ranks(runs):
+    (cfg1, summary1), (cfg2, summary2) = runs[1], runs[2]
+    one, two = _shards(cfg1), _shards(cfg2)
+    assert len(one) >= 3 and one.keys() == two.keys()  # several shards, so both ranks wrote some
+    for name in one:
+        for key in ("input_ids", "loss_mask", "seq_lens", "aux_hidden_states", "teacher_hidden_state"):
+            assert torch.equal(one[name][key], two[name][key]), f"{name}: {key} differs between 1 and 2 ranks"
+    assert summary1["stages"]["extract"]["compute"]["world_size"] == 1
+    assert summary2["stages"]["extract"]["compute"] | {} == {
+        "device": "cpu", "devices": ["cpu"], "dtype": "float32", "world_size": 2, "backend": "gloo"}
+    assert summary2["stages"]["extract"]["tokens"] == summary1["stages"]["extract"]["tokens"]
+    # rank 1 extracted its shards in its own process (its own submitit task log)
+    logs = list(Path(summary2["run_dir"], "jobs").glob("*_1_log.err"))
+    assert any("extract (rank 1/2)" in p.read_text(errors="replace") for p in logs)
+
+
+def test_two_rank_training_reaches_the_one_rank_weights(runs):
+    (_, summary1), (_, summary2) = runs[1], runs[2]
+    w1 = load_file(str(Path(summary1["stages"]["train"]["draft_dir"]) / "model.safetensors"))
+    w2 = load_file(str(Path(summary2["stages"]["train"]["draft_dir"]) / "model.safetensors"))
+    assert w1.keys() == w2.keys()
+    moved = 0
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+        moved += int(not torch.equal(w1[name], w2[name]))
+    t1, t2 = summary1["stages"]["train"], summary2["stages"]["train"]
+    assert t2["val_loss"] == pytest.approx(t1["val_loss"], rel=1e-4)
+    for k in range(3):
+        assert t2[f"val_acc_{k}"] == pytest.approx(t1[f"val_acc_{k}"], abs=0.01)
+    assert t2["compute"]["world_size"] == 2 and t2["compute"]["backend"] == "gloo"
+    # MLflow records how each stage ran
+    params = MlflowClient(summary2["tracking_uri"]).get_run(summary2["mlflow_run_id"]).data.params
+    assert params["train.world_size"] == "2" and params["extract.world_size"] == "2"
+    assert params["train.device"] == "cpu" and params["train.dtype"] == "float32"
+
+
+def test_only_rank_zero_writes(runs):
+    cfg2, summary2 = runs[2]
+    train_dir = Path(summary2["stages"]["train"]["draft_dir"]).parent
+    written = sorted(str(p.relative_to(train_dir)) for p in train_dir.rglob("*") if p.is_file())
+    assert not [p for p in written if ".tmp" in p]
+    assert "checkpoints/latest.pt" in written and "manifest.json" in written
+
+
+def test_a_short_last_batch_leaves_a_rank_a_sequence_that_counts_nothing():
+    two = [type(cpu())(devices=cpu().devices, dtype=torch.float32, rank=r, world_size=2) for r in (0, 1)]
+    assert rank_share([5, 1, 7, 3], two[0]) == ([5, 7], True)
+    assert rank_share([5, 1, 7, 3], two[1]) == ([1, 3], True)
+    assert rank_share([5], two[1]) == ([5], False)
+
+
+def test_a_global_batch_that_does_not_split_between_ranks_is_refused(tiny_config):
+    with pytest.raises(ConfigError, match="train.batch_size=8 over 3 ranks"):
+        tiny_config("train.resources.tasks_per_node=3")
