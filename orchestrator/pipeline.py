@@ -235,11 +235,14 @@ def run_pipeline(cfg: RootConfig, run_dir: Path, sweep_dir: Path | None = None) 
         preflight.print_report(findings)
         bad = preflight.failures(findings)
         return {"check": True, "ok": not bad, "failures": [str(f) for f in bad]}
-    bad = preflight.failures(preflight.config_findings(cfg))
+    memory = preflight.memory_findings(cfg, Path(plan.target_dir))
+    bad = preflight.failures(preflight.config_findings(cfg) + memory)
     if bad and not (not cfg.serve.guard and all(f.category == "layer ids" for f in bad)):
         raise preflight.PreflightError(bad)
     write_run_files(cfg, plan)
     print_plan(plan)
+    for finding in memory:
+        print(f"[memory] {finding.message}")
     if cfg.dry_run:
         print(f"dry run: nothing submitted; plan written to {Path(plan.run_dir) / 'plan.json'}")
         return {"dry_run": True, "plan": asdict(plan)}

@@ -15,11 +15,12 @@ from typing import Any
 
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import MANIFEST, read_json
-from orchestrator.config import RootConfig, extract_storage
+from orchestrator.compute import resolve_precision
+from orchestrator.config import RootConfig, extract_storage, tasks_per_node
 
 CATEGORIES = (
     "layer ids", "teacher kind", "tokenizer", "draft vocabulary", "draft config", "hidden sizes",
-    "speculative args", "draft steps", "storage",
+    "speculative args", "draft steps", "storage", "memory",
 )
 
 
@@ -93,6 +94,56 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
         "draft steps", deep, f"serve.num_steps={s.num_steps}, train.ttt_steps={cfg.train.ttt_steps}",
         "" if deep else f"raise train.ttt_steps to >= {s.num_steps} or lower serve.num_steps",
     ))
+    return out
+
+
+def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
+    """Whether the target's weights fit where each stage that loads them in this project's code puts them: a
+    task's GPUs (up to `targets.GPU_FILL` of each), or else the node's memory shared by its tasks. Read from the
+    weights' safetensors headers; a target not on disk yet (a tiny one before its build) cannot be checked."""
+    from orchestrator.targets import GPU_FILL, weight_bytes
+
+    out: list[Finding] = []
+    loaders = [s for s in cfg.stages if s in ("extract", "eval") or (s == "serve" and cfg.serve.engine == "reference")]
+    for stage in loaders:
+        r = getattr(cfg, stage).resources
+        dtype = resolve_precision(getattr(cfg, stage).precision, r.gpus_per_node)
+        need = weight_bytes(target_dir, dtype)
+        if need is None:
+            out.append(Finding("memory", True, f"{stage}: no weights at {target_dir} yet, so their size is not checked"))
+            continue
+        tasks = tasks_per_node(cfg, stage)
+        if r.gpus_per_node:
+            gpus = r.gpus_per_node // tasks
+            if cfg.cluster.gpu_memory_gb is None:
+                out.append(Finding("memory", True, f"{stage}: target weights {need / 1e9:,.1f} GB in {dtype} on {gpus} GPU(s) "
+                                   "per task of unknown memory (set cluster.gpu_memory_gb to check it)"))
+                continue
+            have = gpus * cfg.cluster.gpu_memory_gb * 1e9 * GPU_FILL
+            fits = need <= have
+            per_gpu = cfg.cluster.gpu_memory_gb * 1e9 * GPU_FILL
+            least = -(-need // per_gpu)  # the GPUs one task needs
+            fix = ""
+            if not fits:
+                fix = (f"give each task {int(least)} GPUs: {stage}.resources.tasks_per_node={r.gpus_per_node // int(least)}"
+                       if least <= r.gpus_per_node and r.gpus_per_node % least == 0 else
+                       f"the weights need {int(least)} GPUs of {cfg.cluster.gpu_memory_gb:g} GB, more than a node's "
+                       f"{r.gpus_per_node}: use larger GPUs (cluster.gpu_memory_gb) or a quantised checkpoint")
+            out.append(Finding(
+                "memory", fits,
+                f"{stage}: target weights {need / 1e9:,.1f} GB in {dtype}; each of its {tasks} task(s) per node has {gpus} "
+                f"GPU(s) x {cfg.cluster.gpu_memory_gb:g} GB, of which the weights may fill {GPU_FILL:.0%}: {have / 1e9:,.1f} GB",
+                fix,
+            ))
+        else:
+            have = r.mem_gb * 1e9
+            fits = need * tasks <= have
+            out.append(Finding(
+                "memory", fits,
+                f"{stage}: target weights {need / 1e9:,.2f} GB in {dtype} x {tasks} task(s) on the CPU; "
+                f"{stage}.resources.mem_gb={r.mem_gb}",
+                "" if fits else f"raise {stage}.resources.mem_gb or lower {stage}.resources.tasks_per_node",
+            ))
     return out
 
 
@@ -171,8 +222,8 @@ def failures(findings: list[Finding]) -> list[Finding]:
 
 def run_checks(cfg: RootConfig, plan, draft_dir: str | None = None) -> list[Finding]:
     """Config checks, then every artifact the plan's folders (or `draft_dir`) already hold."""
-    findings = config_findings(cfg)
     target_dir = Path(plan.target_dir)
+    findings = config_findings(cfg) + memory_findings(cfg, target_dir)
     extract_dir = plan.dir("extract")
     if (extract_dir / MANIFEST).exists():
         findings += extraction_findings(cfg, extract_dir, target_dir)

@@ -190,3 +190,26 @@ def test_check_entry_reports_on_a_draft_directory(tiny_config, setup, tmp_path):
     result = run_pipeline(cfg, tmp_path / "check")
     assert result["check"] is True and result["ok"] is False
     assert any("layer ids" in f for f in result["failures"])
+
+
+def test_dry_run_refuses_a_target_that_cannot_fit_a_tasks_gpus(tiny_config, tmp_path, capsys):
+    """The weights' size, read from their safetensors headers, against the GPUs each task gets: refused before any
+    job with the numbers and the tasks_per_node that would fit."""
+    from orchestrator.targets import ensure_target, weight_bytes
+
+    cfg = tiny_config()
+    target = ensure_target(cfg, progress=False)
+    need = weight_bytes(target, "bfloat16")
+    assert need == weight_bytes(target, "float32") // 2  # the tiny target's weights are all floating point
+    gpu_gb = need * 0.6 / 1e9  # one GPU holds 60% of the weights: two per task fit, one does not
+    tight = tiny_config("dry_run=true", "extract.resources.gpus_per_node=2", f"cluster.gpu_memory_gb={gpu_gb}")
+    with pytest.raises(preflight.PreflightError) as refused:
+        run_pipeline(tight, tmp_path / "tight")
+    message = str(refused.value)
+    assert f"target weights {need / 1e9:,.1f} GB in bfloat16" in message
+    assert "extract.resources.tasks_per_node=1" in message  # the fix: both GPUs for one task
+    assert not (tmp_path / "tight" / "plan.json").exists()
+    spread = tiny_config("dry_run=true", "extract.resources.gpus_per_node=2", "extract.resources.tasks_per_node=1",
+                         f"cluster.gpu_memory_gb={gpu_gb}")
+    assert run_pipeline(spread, tmp_path / "spread")["dry_run"]
+    assert "[memory] extract: target weights" in capsys.readouterr().out
