@@ -26,7 +26,8 @@ from orchestrator import layers as layer_contract
 from orchestrator.artifacts import atomic_path, file_sha256, read_json, write_json, write_manifest
 from orchestrator.capture import HiddenStateCapture
 from orchestrator.config import RootConfig, captured_layers
-from orchestrator.data import Rendered, conversations, sequences
+from orchestrator.data import Rendered, conversations
+from orchestrator.regenerate import sequences
 from orchestrator.targets import ensure_target, identity, load_target
 
 # Regenerated responses shorter than this on average (tokens) get a warning: a target that stops at once.
@@ -142,11 +143,11 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
 
 
 def _sequences(model, tokenizer, convs, split: str, out: Path, cfg: RootConfig) -> list[Rendered]:
-    """The split's token sequences (see `data.sequences`). Regenerated ones are kept in
+    """The split's token sequences (see `regenerate.sequences`). Regenerated ones are kept in
     `<split>/regenerated.safetensors` (input_ids int32[T], seq_lens and response_lens int32[n]), so a restarted
     extraction does not generate them again."""
     if not cfg.data.regenerate.enabled:
-        return sequences(model, tokenizer, convs, cfg.data, split, cfg.seed)
+        return sequences(convs, split, cfg, tokenizer)
     path = out / split / "regenerated.safetensors"
     if path.exists():
         kept = load_file(str(path))
@@ -156,7 +157,7 @@ def _sequences(model, tokenizer, convs, split: str, out: Path, cfg: RootConfig) 
             ids = kept["input_ids"][a:b].tolist()
             rendered.append(Rendered(ids, [0] * (len(ids) - n) + [1] * n))
         return rendered
-    rendered = sequences(model, tokenizer, convs, cfg.data, split, cfg.seed)
+    rendered = sequences(convs, split, cfg, tokenizer, model=model, log_dir=out / split)
     tensors = {
         "input_ids": torch.tensor([t for r in rendered for t in r.input_ids], dtype=torch.int32),
         "seq_lens": torch.tensor([len(r.input_ids) for r in rendered], dtype=torch.int32),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from orchestrator.config import RootConfig
 from orchestrator.data import conversations, prompt_ids
 from orchestrator.serving import client
 from orchestrator.serving import sglang as sglang_engine
+from orchestrator.serving.launch import server_command
 from orchestrator.targets import target_config_json
 
 
@@ -45,18 +45,6 @@ def _ids_as_written(cfg: RootConfig, layers: list[int]) -> list[int]:
         return layer_contract.to_engine_ids(cfg.serve.engine, layers, t.num_hidden_layers, t.family, cfg.serve.sglang_version)
     except layer_contract.LayerContractError:
         return layers  # written as-is, as a pipeline without the contract would
-
-
-def server_command(cfg: RootConfig, target: Path, draft: Path | None, port: int) -> list[str]:
-    s = cfg.serve
-    if s.engine == "sglang":
-        return sglang_engine.launch_command(cfg, str(target), str(draft) if draft else None, port)
-    cmd = [sys.executable, "-m", "orchestrator.serving.reference", "--target", str(target), "--port", str(port),
-           "--num-steps", str(s.num_steps), "--family", cfg.target.family, "--sglang-version", s.sglang_version]
-    if draft:
-        cmd += ["--draft", str(draft)]
-    # the job's CPUs, unless serve.threads says otherwise (see pipeline.run_stage)
-    return cmd + ["--threads", str(s.threads or s.resources.cpus_per_task)]
 
 
 def run_server(cfg: RootConfig, mode: str, target: Path, draft: Path | None, prompts: list[list[int]], out: Path) -> dict[str, Any]:
