@@ -178,7 +178,7 @@ def test_kimi_regenerates_through_the_sglang_command_without_a_draft(tmp_path):
 
 def test_extraction_with_the_server_engine(tiny_config, tmp_path, monkeypatch):
     """The extract stage end to end with engine=server: its regenerated sequences are the HF engine's."""
-    small = ("data.max_train_conversations=12", "data.max_val_conversations=4", "extract.shard_conversations=8")
+    small = ("data.max_train_conversations=6", "data.max_val_conversations=2", "extract.shard_conversations=4")
     cfg = tiny_config("stages=[extract]", "cluster=debug", *SHORT, *small, "data.regenerate.engine=server")
     monkeypatch.chdir(tmp_path)
     summary = run_pipeline(cfg, tmp_path / "run")
@@ -197,7 +197,7 @@ def test_extraction_with_the_server_engine(tiny_config, tmp_path, monkeypatch):
         starts = [sum(lens[:i]) for i in range(len(lens))]
         served = [kept["input_ids"][a : a + n].tolist() for a, n in zip(starts, lens)]
         assert served == [s.input_ids for s in regenerate(convs, hf_cfg, tokenizer, seed, model=model)], split
-    assert manifest["splits"]["train"]["num_sequences"] == 12
+    assert manifest["splits"]["train"]["num_sequences"] == 6
 
 
 def compose_server(cfg, *overrides):
