@@ -25,6 +25,8 @@ CLUSTERS = ("local", "debug", "slurm")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SETS = ("stdlib_chat", "jsonl")
 DATA_FORMATS = ("auto", "openai", "sharegpt")
+REGENERATE_ENGINES = ("hf", "server")
+REGENERATE_APIS = ("generate", "completions")
 
 
 class ConfigError(ValueError):
@@ -78,10 +80,21 @@ class RegenerateConfig:
     regeneration), so the draft learns the text the target produces when served, not the data set's."""
 
     enabled: bool = MISSING
+    # hf: HF `generate` in the extract job; server: a serving endpoint (orchestrator/regenerate.py).
+    engine: str = MISSING
     max_new_tokens: int = MISSING
     # 0: greedy, what the serve stage benchmarks; > 0 samples (seeded).
     temperature: float = MISSING
+    # engine=hf: prompts per `generate` call.
     batch_size: int = MISSING
+    # engine=server: the endpoint's base URL (http://HOST:PORT); null: start the target with the serve stage's
+    # launcher (serve.engine's command, no draft) for the extraction and stop it afterwards.
+    url: Optional[str] = MISSING
+    # engine=server: generate (SGLang's /generate, input_ids in, output_ids out) or completions (OpenAI
+    # /v1/completions with a token-id prompt and return_token_ids: SGLang, vLLM).
+    api: str = MISSING
+    # engine=server: requests in flight.
+    concurrency: int = MISSING
 
 
 @dataclass
@@ -314,6 +327,7 @@ def validate(cfg: RootConfig) -> None:
     check(r.max_new_tokens >= 1, f"data.regenerate.max_new_tokens={r.max_new_tokens}: expected >= 1")
     check(r.temperature >= 0, f"data.regenerate.temperature={r.temperature}: expected >= 0 (0 = greedy)")
     check(r.batch_size >= 1, f"data.regenerate.batch_size={r.batch_size}: expected >= 1")
+    check_regenerate(cfg)
     check(cfg.extract.teacher in layer_contract.TEACHER_KINDS, f"extract.teacher={cfg.extract.teacher!r}: expected one of {layer_contract.TEACHER_KINDS}")
     check(cfg.extract.dtype in DTYPES, f"extract.dtype={cfg.extract.dtype!r}: expected one of {DTYPES}")
     check(cfg.draft.torch_dtype in DTYPES, f"draft.torch_dtype={cfg.draft.torch_dtype!r}: expected one of {DTYPES}")
@@ -358,6 +372,13 @@ def check_resources(cfg: RootConfig, stage: str) -> None:
         raise ConfigError(
             f"{stage}.resources.tasks_per_node={tasks} with gpus_per_node={r.gpus_per_node}: each task needs the same "
             f"whole number of GPUs; use a divisor of {r.gpus_per_node}"
+        )
+    regen = cfg.data.regenerate
+    if stage == "extract" and regen.enabled and regen.engine == "server" and regen.url is None and r.gpus_per_node and tasks > 1:
+        raise ConfigError(
+            f"data.regenerate.engine=server with data.regenerate.url=null starts a serving engine in each extract task "
+            f"on the node's GPUs, but extract.resources.tasks_per_node={tasks} tasks would share them: set "
+            "extract.resources.tasks_per_node=1 (one task per node), or serve the target elsewhere and give its URL"
         )
     if stage in ("eval", "serve") and tasks * r.nodes != 1:
         raise ConfigError(
@@ -416,6 +437,40 @@ def check_data(d: DataConfig) -> None:
                 raise ConfigError(f"data.{key}[{i}]={file!r}: no such file (relative paths start at {Path.cwd()})")
         # absolute from here on: a job may start in another working directory (Slurm, submitit)
         setattr(d, key, [str(Path(file).resolve()) for file in getattr(d, key)])
+
+
+def check_regenerate(cfg: RootConfig) -> None:
+    """data.regenerate's engine, endpoint and API; the endpoint's reachability is checked when it is first used."""
+    from urllib.parse import urlsplit
+
+    r = cfg.data.regenerate
+    if r.engine not in REGENERATE_ENGINES:
+        raise ConfigError(f"data.regenerate.engine={r.engine!r}: expected one of {REGENERATE_ENGINES} (hf: in process, server: an endpoint)")
+    if r.api not in REGENERATE_APIS:
+        raise ConfigError(f"data.regenerate.api={r.api!r}: expected one of {REGENERATE_APIS} (SGLang's /generate, OpenAI's /v1/completions)")
+    if r.concurrency < 1:
+        raise ConfigError(f"data.regenerate.concurrency={r.concurrency}: expected >= 1 requests in flight")
+    if r.url is not None:
+        if r.engine != "server":
+            raise ConfigError(
+                f"data.regenerate.url={r.url!r} is an endpoint for data.regenerate.engine=server, but engine={r.engine} "
+                "generates in process: add data.regenerate.engine=server or set data.regenerate.url=null"
+            )
+        parts = urlsplit(r.url)
+        try:
+            port_ok = parts.port is None or parts.port > 0
+        except ValueError:
+            port_ok = False
+        if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok or parts.path.strip("/") or parts.query:
+            raise ConfigError(
+                f"data.regenerate.url={r.url!r}: expected the server's base URL, http(s)://HOST[:PORT] without a path "
+                f"(the requests go to {'/generate' if r.api == 'generate' else '/v1/completions'} under it)"
+            )
+    if r.enabled and r.engine == "server" and r.url is None and r.temperature > 0 and cfg.serve.engine == "reference":
+        raise ConfigError(
+            f"data.regenerate.temperature={r.temperature} with data.regenerate.engine=server and serve.engine=reference: the "
+            "reference engine decodes greedily only; set data.regenerate.temperature=0 or data.regenerate.engine=hf"
+        )
 
 
 def check_speculative_args(s: ServeConfig) -> None:

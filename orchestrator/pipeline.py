@@ -57,6 +57,8 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     data = _subtree(cfg, "data")
     # a user's file edited in place is another data set: its content, not its path, keys the extraction
     data["file_sha256"] = [file_sha256(Path(f)) for f in [*cfg.data.train_files, *cfg.data.val_files]]
+    if not cfg.data.regenerate.enabled:  # the settings of a regeneration that does not run decide nothing
+        data["regenerate"] = {"enabled": False}
     keys: dict[str, str] = {}
     keys["extract"] = stable_hash(
         {"target": target, "data": data, "extract": extract, "seed": cfg.seed, "code": CODE_VERSION["extract"]}

@@ -91,6 +91,12 @@ def identity(cfg: RootConfig, path: Path) -> TargetIdentity:
     )
 
 
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
 def load_target(path: Path, trust_remote_code: bool = False, compute: Compute | None = None):
     """(model, tokenizer) in eval mode, in `compute`'s dtype, on its devices (the CPU in float32 without one).
 
@@ -103,13 +109,13 @@ def load_target(path: Path, trust_remote_code: bool = False, compute: Compute | 
     lists what a real Kimi-K2.5 checkpoint needs beyond the tiny one); any other as HF's causal LM.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from orchestrator import wrappers
 
     compute = compute or compute_mod.cpu()
     placement = {"dtype": compute.dtype} | device_placement(compute)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(path, trust_remote_code)
     config = wrappers.read_config(path)
     wrapper = wrappers.wrapper_of(config)
     if wrapper is not None:

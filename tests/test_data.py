@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.data import conversations, prompt_ids, sequences
+from orchestrator.data import conversations, prompt_ids
+from orchestrator.regenerate import regenerate, sequences
 from orchestrator.targets import ensure_target, load_target
 
 
@@ -13,7 +14,7 @@ def test_regenerated_sequences_are_the_targets_greedy_responses(tiny_config):
     model, tokenizer = load_target(ensure_target(cfg, progress=False))
     _, val = conversations(cfg.data, cfg.seed)
     val = val[:5]  # two batches, the second one smaller: left padding differs between them
-    regenerated = sequences(model, tokenizer, val, cfg.data, "val", cfg.seed)
+    regenerated = sequences(val, "val", cfg, tokenizer, model=model)
     for conv, seq in zip(val, regenerated):
         prompt = prompt_ids(tokenizer, conv, cfg.data.max_seq_len)
         n = len(prompt)
@@ -28,7 +29,7 @@ def test_regenerated_sequences_are_the_targets_greedy_responses(tiny_config):
         assert response == alone, "batched (left-padded) regeneration must equal the unbatched greedy response"
 
     cfg_off = tiny_config("data.regenerate.enabled=false")
-    rendered = sequences(model, tokenizer, val, cfg_off.data, "val", cfg.seed)
+    rendered = sequences(val, "val", cfg_off, tokenizer)
     assert [r.input_ids for r in rendered] != [r.input_ids for r in regenerated]
 
 
@@ -37,7 +38,7 @@ def test_sampled_regeneration_is_seeded(tiny_config):
     model, tokenizer = load_target(ensure_target(cfg, progress=False))
     _, val = conversations(cfg.data, cfg.seed)
     first, again, other = (
-        [r.input_ids for r in sequences(model, tokenizer, val[:4], cfg.data, "val", seed)] for seed in (0, 0, 1)
+        [r.input_ids for r in regenerate(val[:4], cfg, tokenizer, seed, model=model)] for seed in (0, 0, 1)
     )
     assert first == again, "the same seed samples the same responses"
     assert first != other, "another seed samples other responses"

@@ -163,3 +163,68 @@ def server_info(server: ServerProcess) -> dict[str, Any]:
 
 def flush_cache(server: ServerProcess) -> None:
     requests.post(f"{server.url}/flush_cache", timeout=30)
+
+
+# ------------------------------------------------------------------------- token ids from any serving endpoint
+
+
+class EndpointError(RuntimeError):
+    """An endpoint that cannot be reached, or that answers without the token ids asked for."""
+
+
+# What each API takes and returns for token ids (checked in sglang 0.5.23's http_server.py, tokenizer_manager.py and
+# entrypoints/openai/protocol.py; vLLM's CompletionRequest has the same `return_token_ids` and choice `token_ids`):
+#   generate      SGLang's native POST /generate {"input_ids": [...], "sampling_params": {...}} -> top-level
+#                 "output_ids", the generated ids including the stop token that ended them (finished_len = match + 1)
+#   completions   OpenAI POST /v1/completions {"prompt": [ids], "return_token_ids": true, ...} -> choices[0].token_ids
+#                 (SGLang fills it from the same output_ids); "model" is the endpoint's first /v1/models entry
+
+
+def output_ids(url: str, prompt: list[int], sampling: dict[str, Any], api: str, timeout: float, model: str | None = None) -> list[int]:
+    """The token ids an endpoint generates after `prompt`, as it returns them (never re-tokenised text).
+
+    `sampling`: max_new_tokens, temperature, stop_token_ids and, optionally, sampling_seed, in SGLang's names;
+    the completions API gets them in OpenAI's (max_tokens, seed)."""
+    if api == "generate":
+        path, payload = "/generate", {"input_ids": prompt, "sampling_params": sampling}
+    elif api == "completions":
+        path = "/v1/completions"
+        payload = {"model": model, "prompt": prompt, "max_tokens": sampling["max_new_tokens"], "temperature": sampling["temperature"],
+                   "stop_token_ids": sampling.get("stop_token_ids"), "seed": sampling.get("sampling_seed"), "return_token_ids": True}
+    else:
+        raise ValueError(f"api={api!r}: expected 'generate' or 'completions'")
+    try:
+        r = requests.post(url.rstrip("/") + path, json=payload, timeout=timeout)
+    except requests.Timeout:
+        raise EndpointError(f"{url}{path}: no answer within {timeout:.0f} s") from None
+    except requests.RequestException as exc:
+        raise EndpointError(f"{url}{path}: {type(exc).__name__} ({exc})") from None
+    if r.status_code != 200:
+        raise EndpointError(f"{url}{path} answered {r.status_code}: {r.text[:500]}")
+    try:
+        body = r.json()
+        ids = body["output_ids"] if api == "generate" else body["choices"][0]["token_ids"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        wanted = "a top-level 'output_ids'" if api == "generate" else "choices[0].token_ids (return_token_ids)"
+        raise EndpointError(f"{url}{path}: the answer has no {wanted}: {r.text[:300]}") from None
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        raise EndpointError(f"{url}{path}: expected a list of token ids, got {str(ids)[:200]}")
+    return ids
+
+
+def check_endpoint(url: str, api: str, timeout: float) -> str | None:
+    """Raises EndpointError unless the endpoint answers: GET /health for the generate API, GET /v1/models for the
+    completions API, whose first model id is returned (the completions requests name it)."""
+    path = "/health" if api == "generate" else "/v1/models"
+    try:
+        r = requests.get(url.rstrip("/") + path, timeout=timeout)
+    except requests.RequestException as exc:
+        raise EndpointError(f"GET {url}{path}: {type(exc).__name__} ({exc})") from None
+    if r.status_code != 200:
+        raise EndpointError(f"GET {url}{path} answered {r.status_code}: {r.text[:300]}")
+    if api == "generate":
+        return None
+    try:
+        return r.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise EndpointError(f"GET {url}{path}: no model listed ({r.text[:300]})") from None

@@ -5,12 +5,18 @@ greedy verification. It reads the draft directory as SGLang does (ids from `eagl
 SGLang's rule for the target's family and version, so a mis-exported draft misbehaves here as it would
 there) and speaks the subset of SGLang's HTTP API the benchmark client uses:
 
-    GET  /health        200 once the models are loaded
-    POST /generate      {"input_ids": [...] | [[...], ...], "sampling_params": {"max_new_tokens": N}}
-                        -> {"output_ids", "text", "meta_info": {"prompt_tokens", "completion_tokens",
-                            "spec_verify_ct", "finish_reason", "e2e_latency"}}
-    GET  /server_info   {"internal_states": [{"avg_spec_accept_length", ...}]}
-    POST /flush_cache   resets the running statistics
+    GET  /health          200 once the models are loaded
+    POST /generate        {"input_ids": [...] | [[...], ...], "sampling_params": {"max_new_tokens": N}}
+                          -> {"output_ids", "text", "meta_info": {"prompt_tokens", "completion_tokens",
+                              "spec_verify_ct", "finish_reason", "e2e_latency"}}
+    POST /v1/completions  {"prompt": [ids] | [[ids], ...], "max_tokens": N, "return_token_ids": true}
+                          -> {"choices": [{"token_ids", "prompt_token_ids", "text", "finish_reason"}], "usage"}
+    GET  /v1/models       {"data": [{"id": "orchestrator-reference"}]}
+    GET  /server_info     {"internal_states": [{"avg_spec_accept_length", ...}]}
+    POST /flush_cache     resets the running statistics
+
+Decoding is greedy and stops at the tokenizer's end token (included in the ids, as SGLang returns it) or at the
+token budget; a request for temperature > 0, or for other stop tokens, is answered 400 rather than served otherwise.
 
 Without `--draft` it is the baseline: the same target, one token per forward.
 Run: python -m orchestrator.serving.reference --target DIR [--draft DIR] --port P
@@ -199,7 +205,74 @@ class MainThreadWorker:
                 future.set_exception(exc)
 
 
+MODEL_NAME = "orchestrator-reference"
+
+
 def make_handler(engine: Engine, worker: MainThreadWorker):
+    def prompts_of(batch) -> tuple[list[list[int]], bool]:
+        """(prompts, single) of a request's token ids: one list of ids, or a list of them."""
+        if not batch:
+            raise ValueError("request needs input_ids or text")
+        single = isinstance(batch[0], int)
+        return ([batch] if single else batch), single
+
+    def run(prompts: list[list[int]], max_new: int, temperature, stop_token_ids) -> list[tuple[dict, dict]]:
+        """(result, meta_info) per prompt, one after the other on the engine's worker."""
+        if temperature not in (None, 0, 0.0):
+            raise ValueError(f"temperature={temperature}: the reference engine decodes greedily only (temperature 0)")
+        if stop_token_ids and set(stop_token_ids) != {engine.eos}:
+            raise ValueError(f"stop_token_ids={stop_token_ids}: the reference engine stops at its end token {engine.eos} only")
+        out = []
+        for prompt in prompts:
+            started = time.perf_counter()
+            result = worker.submit(list(prompt), max_new)
+            meta = {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(result["output_ids"]),
+                "finish_reason": result["finish_reason"],
+                "e2e_latency": time.perf_counter() - started,
+            }
+            if engine.draft is not None:
+                meta["spec_verify_ct"] = result["verify"]
+            out.append((result, meta))
+        return out
+
+    def generate(request: dict[str, Any]) -> Any:
+        """SGLang's /generate: the ids generated as top-level `output_ids` (the end token included), as 0.5.23 answers."""
+        batch = request.get("input_ids")
+        texts = request.get("text")
+        if batch is None and texts is not None:
+            batch = [engine.tokenizer(t)["input_ids"] for t in ([texts] if isinstance(texts, str) else texts)]
+            if isinstance(texts, str):
+                batch = batch[0]
+        prompts, single = prompts_of(batch)
+        sampling = request.get("sampling_params") or {}
+        runs = run(prompts, int(sampling.get("max_new_tokens", 128)), sampling.get("temperature"), sampling.get("stop_token_ids"))
+        responses = [
+            {"text": engine.tokenizer.decode(result["output_ids"]), "output_ids": result["output_ids"], "meta_info": meta}
+            for result, meta in runs
+        ]
+        return responses[0] if single else responses
+
+    def completions(request: dict[str, Any]) -> dict[str, Any]:
+        """OpenAI's /v1/completions for token-id prompts, as SGLang 0.5.23 answers it: with `return_token_ids`, each
+        choice carries `token_ids` (the same ids /generate returns) and `prompt_token_ids`."""
+        prompt = request.get("prompt")
+        if not isinstance(prompt, list):
+            raise ValueError("prompt: the reference engine takes token ids (a list of ints, or a list of such lists)")
+        prompts, _ = prompts_of(prompt)
+        runs = run(prompts, int(request.get("max_tokens", 16)), request.get("temperature", 1.0), request.get("stop_token_ids"))
+        choices = []
+        for index, (prompt_ids, (result, meta)) in enumerate(zip(prompts, runs)):
+            choice = {"index": index, "text": engine.tokenizer.decode(result["output_ids"]), "logprobs": None,
+                      "finish_reason": result["finish_reason"]["type"], "matched_stop": result["finish_reason"].get("matched")}
+            if request.get("return_token_ids"):
+                choice |= {"token_ids": result["output_ids"], "prompt_token_ids": list(prompt_ids)}
+            choices.append(choice)
+        usage = {"prompt_tokens": sum(m["prompt_tokens"] for _, m in runs), "completion_tokens": sum(m["completion_tokens"] for _, m in runs)}
+        return {"id": f"cmpl-{time.monotonic_ns()}", "object": "text_completion", "created": int(time.time()),
+                "model": MODEL_NAME, "choices": choices, "usage": usage | {"total_tokens": sum(usage.values())}}
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -223,6 +296,8 @@ def make_handler(engine: Engine, worker: MainThreadWorker):
                 self._send(200, {"status": "ok"})
             elif self.path in ("/server_info", "/get_server_info"):
                 self._send(200, engine.server_info())
+            elif self.path == "/v1/models":
+                self._send(200, {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "orchestrator"}]})
             else:
                 self._send(404, {"error": f"unknown path {self.path}"})
 
@@ -231,40 +306,15 @@ def make_handler(engine: Engine, worker: MainThreadWorker):
                 engine.flush()
                 self._send(200, {"success": True})
                 return
-            if self.path != "/generate":
+            if self.path not in ("/generate", "/v1/completions"):
                 self._send(404, {"error": f"unknown path {self.path}"})
                 return
             try:
                 request = self._body()
-                batch = request.get("input_ids")
-                if batch is None and "text" in request:
-                    texts = request["text"]
-                    batch = [engine.tokenizer(t)["input_ids"] for t in ([texts] if isinstance(texts, str) else texts)]
-                    single = isinstance(texts, str)
+                if self.path == "/generate":
+                    self._send(200, generate(request))
                 else:
-                    single = bool(batch) and isinstance(batch[0], int)
-                if not batch:
-                    raise ValueError("request needs input_ids or text")
-                prompts = [batch] if single else batch
-                max_new = int(request.get("sampling_params", {}).get("max_new_tokens", 128))
-                responses = []
-                for prompt in prompts:
-                    started = time.perf_counter()
-                    result = worker.submit(list(prompt), max_new)
-                    meta = {
-                        "prompt_tokens": len(prompt),
-                        "completion_tokens": len(result["output_ids"]),
-                        "finish_reason": result["finish_reason"],
-                        "e2e_latency": time.perf_counter() - started,
-                    }
-                    if engine.draft is not None:
-                        meta["spec_verify_ct"] = result["verify"]
-                    responses.append({
-                        "text": engine.tokenizer.decode(result["output_ids"]),
-                        "output_ids": result["output_ids"],
-                        "meta_info": meta,
-                    })
-                self._send(200, responses[0] if single else responses)
+                    self._send(200, completions(request))
             except Exception as exc:  # a bad request must not kill the server
                 self._send(400, {"error": f"{type(exc).__name__}: {exc}"})
 

@@ -29,8 +29,9 @@ from orchestrator.artifacts import atomic_path, file_sha256, read_json, write_js
 from orchestrator.capture import HiddenStateCapture
 from orchestrator.compute import Compute
 from orchestrator.config import RootConfig, captured_layers
-from orchestrator.data import Rendered, conversations, sequences
-from orchestrator.targets import ensure_target, identity, load_target
+from orchestrator.data import Rendered, conversations
+from orchestrator.regenerate import Endpoint, regenerate, sequences
+from orchestrator.targets import ensure_target, identity, load_target, load_tokenizer
 
 # Regenerated responses shorter than this on average (tokens) get a warning: a target that stops at once.
 MIN_RESPONSE_TOKENS = 4
@@ -63,13 +64,20 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     mine = [(split, i) for split in shards for i in range(len(shards[split])) if i % compute.world_size == compute.rank]
 
     started = time.time()
+    todo = [(split, i) for split, i in mine if not (_shard(out, split, i).with_suffix(".json").exists() and _shard(out, split, i).exists())]
+    regenerate_s = 0.0
+    if cfg.data.regenerate.enabled and cfg.data.regenerate.engine == "server" and todo:
+        # The serving engine answers first, on the job's GPUs, and is stopped before the target loads onto them.
+        tokenizer = load_tokenizer(target_path, cfg.target.trust_remote_code)
+        with Endpoint(cfg, out / "logs" / f"rank{compute.rank}") as endpoint:
+            for split, index in todo:
+                _sequences(None, tokenizer, shards[split][index], split, index, out, cfg, endpoint)
+        regenerate_s = time.time() - started
     model, tokenizer = load_target(target_path, cfg.target.trust_remote_code, compute)
-    tokens_done, regenerate_s = 0, 0.0
+    tokens_done = 0
     desc = f"extract (rank {compute.rank}/{compute.world_size})" if compute.distributed else "extract"
-    for split, index in tqdm(mine, desc=desc, unit="shard"):
-        shard = out / split / f"shard_{index:05d}.safetensors"
-        if shard.with_suffix(".json").exists() and shard.exists():
-            continue
+    for split, index in tqdm(todo, desc=desc, unit="shard"):
+        shard = _shard(out, split, index)
         begin = time.time()
         rendered = _sequences(model, tokenizer, shards[split][index], split, index, out, cfg)
         regenerate_s += time.time() - begin if cfg.data.regenerate.enabled else 0.0
@@ -87,7 +95,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         tokens_done += int(tensors["input_ids"].numel())
     seconds = time.time() - started
     # Every rank's shards are complete before anyone reads them: the slowest rank's time is the stage's.
-    totals = compute.all_reduce_sum(torch.tensor([tokens_done, regenerate_s, seconds], dtype=torch.float64))
+    extracted_now = int(compute.all_reduce_sum(torch.tensor([tokens_done], dtype=torch.float64))[0])
     slowest = compute.all_reduce_max(torch.tensor([seconds, regenerate_s], dtype=torch.float64))
     if not compute.is_main:
         return {}
@@ -116,7 +124,6 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         )
     total_tokens = splits["train"]["num_tokens"] + splits["val"]["num_tokens"]
     total_bytes = sum(s["bytes"] for sp in splits.values() for s in sp["shards"])
-    extracted_now = int(totals[0])
     result = {
         "tokens": total_tokens,
         "tokens_extracted_now": extracted_now,
@@ -156,6 +163,10 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     return result
 
 
+def _shard(out: Path, split: str, index: int) -> Path:
+    return out / split / f"shard_{index:05d}.safetensors"
+
+
 def _token_counts(out: Path, records: list[dict[str, Any]], vocab_size: int) -> torch.Tensor:
     """Occurrences of each token among the loss-masked train tokens, read back from the shards (every rank's)."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
@@ -166,12 +177,14 @@ def _token_counts(out: Path, records: list[dict[str, Any]], vocab_size: int) -> 
     return counts
 
 
-def _sequences(model, tokenizer, convs, split: str, index: int, out: Path, cfg: RootConfig) -> list[Rendered]:
-    """One shard's token sequences (see `data.sequences`). Regenerated ones are kept in
-    `<split>/regenerated_NNNNN.safetensors` (input_ids int32[T], seq_lens and response_lens int32[n]), so a
-    restarted extraction does not generate them again. Sampling (temperature > 0) is seeded per shard."""
+def _sequences(model, tokenizer, convs, split: str, index: int, out: Path, cfg: RootConfig,
+               endpoint: Endpoint | None = None) -> list[Rendered]:
+    """One shard's token sequences: rendered, or regenerated (`orchestrator.regenerate`, by the target in this
+    process or through `endpoint`). Regenerated ones are kept in `<split>/regenerated_NNNNN.safetensors`
+    (input_ids int32[T], seq_lens and response_lens int32[n]), so a restarted extraction does not generate them
+    again. Sampling (temperature > 0) is seeded per shard, so a shard's responses do not depend on the ranks."""
     if not cfg.data.regenerate.enabled:
-        return sequences(model, tokenizer, convs, cfg.data, split, cfg.seed)
+        return sequences(convs, split, cfg, tokenizer)
     path = out / split / f"regenerated_{index:05d}.safetensors"
     if path.exists():
         kept = load_file(str(path))
@@ -181,7 +194,8 @@ def _sequences(model, tokenizer, convs, split: str, index: int, out: Path, cfg: 
             ids = kept["input_ids"][a:b].tolist()
             rendered.append(Rendered(ids, [0] * (len(ids) - n) + [1] * n))
         return rendered
-    rendered = sequences(model, tokenizer, convs, cfg.data, split, cfg.seed * 100_003 + index)
+    rendered = regenerate(convs, cfg, tokenizer, cfg.seed * 100_003 + index + (0 if split == "train" else 50_000),
+                          model=model, log_dir=out / "logs", endpoint=endpoint, desc=f"regenerate {split} shard {index}")
     tensors = {
         "input_ids": torch.tensor([t for r in rendered for t in r.input_ids], dtype=torch.int32),
         "seq_lens": torch.tensor([len(r.input_ids) for r in rendered], dtype=torch.int32),

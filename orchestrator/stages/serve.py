@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
-from orchestrator import compute as compute_mod
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import read_json, write_json, write_manifest
 from orchestrator.compute import Compute
@@ -21,7 +19,8 @@ from orchestrator.config import RootConfig
 from orchestrator.data import conversations, prompt_ids
 from orchestrator.serving import client
 from orchestrator.serving import sglang as sglang_engine
-from orchestrator.targets import target_config_json
+from orchestrator.serving.launch import server_command
+from orchestrator.targets import load_tokenizer, target_config_json
 
 
 def served_draft_dir(cfg: RootConfig, plan) -> Path:
@@ -47,22 +46,6 @@ def _ids_as_written(cfg: RootConfig, layers: list[int]) -> list[int]:
         return layer_contract.to_engine_ids(cfg.serve.engine, layers, t.num_hidden_layers, t.family, cfg.serve.sglang_version)
     except layer_contract.LayerContractError:
         return layers  # written as-is, as a pipeline without the contract would
-
-
-def server_command(cfg: RootConfig, target: Path, draft: Path | None, port: int, compute: Compute | None = None) -> list[str]:
-    """The serving engine's command line; the reference engine computes on `compute`'s devices and dtype (the CPU
-    in float32 without one)."""
-    s = cfg.serve
-    compute = compute or compute_mod.cpu()
-    if s.engine == "sglang":
-        return sglang_engine.launch_command(cfg, str(target), str(draft) if draft else None, port)
-    cmd = [sys.executable, "-m", "orchestrator.serving.reference", "--target", str(target), "--port", str(port),
-           "--num-steps", str(s.num_steps), "--family", cfg.target.family, "--sglang-version", s.sglang_version]
-    if draft:
-        cmd += ["--draft", str(draft)]
-    cmd += ["--device", ",".join(str(d) for d in compute.devices), "--dtype", str(compute.dtype).removeprefix("torch.")]
-    # the job's CPUs, unless serve.threads says otherwise (see pipeline.run_stage)
-    return cmd + ["--threads", str(s.threads or s.resources.cpus_per_task)]
 
 
 def run_server(cfg: RootConfig, mode: str, target: Path, draft: Path | None, prompts: list[list[int]], out: Path,
@@ -107,9 +90,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         ids = read_json(draft / "config.json", "draft config")["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     tracker.tags({"serve.eagle_aux_hidden_state_layer_ids": json.dumps(ids)})  # the layers' param is aux_layers
 
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=cfg.target.trust_remote_code)
+    tokenizer = load_tokenizer(target, cfg.target.trust_remote_code)
     _, val_convs = conversations(cfg.data, cfg.seed)
     prompts = [prompt_ids(tokenizer, c, cfg.data.max_seq_len) for c in val_convs[: s.prompts]]
 

@@ -1,0 +1,204 @@
+"""The target's own responses to the data set's prompts (SpecForge's regeneration), so the draft learns the text the
+target writes when served. Extraction takes its training sequences from here.
+
+    sequences   a split's training sequences: the conversations rendered, or (data.regenerate.enabled) regenerated
+    regenerate  the target's responses to any list of conversations (a split, a shard, a rank's slice), by
+                data.regenerate.engine:
+                  hf      HF `generate` in this process, left-padded batches of `batch_size` prompts
+                  server  a serving endpoint, `concurrency` requests in flight: SGLang's /generate or an
+                          OpenAI-compatible /v1/completions (data.regenerate.api), at data.regenerate.url or on a
+                          server started with the serve stage's launcher (`Endpoint`)
+
+Either way a sequence is prompt ids + the generated ids as the engine returns them (never re-tokenised text), cut
+after the first end token and at data.max_seq_len; the loss mask covers the generated ids.
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from orchestrator.config import RootConfig
+from orchestrator.data import Rendered, prompt_ids, render
+from orchestrator.serving import client
+
+
+class RegenerateError(RuntimeError):
+    """Regeneration that cannot run: an endpoint that is unreachable or answers wrongly, or no model for hf."""
+
+
+def sequences(conversations: list, split: str, cfg: RootConfig, tokenizer, *, model=None, log_dir: Path | None = None,
+              endpoint: "Endpoint | None" = None) -> list[Rendered]:
+    """A split's training sequences: the data set's conversations rendered, or, with `data.regenerate.enabled`,
+    the target's own responses to their prompts (seeded by the run's seed and the split)."""
+    if not cfg.data.regenerate.enabled:
+        return [render(tokenizer, c, cfg.data.max_seq_len) for c in conversations]
+    split_seed = cfg.seed + (0 if split == "train" else 1)
+    return regenerate(conversations, cfg, tokenizer, split_seed, model=model, log_dir=log_dir, endpoint=endpoint,
+                      desc=f"regenerate {split}")
+
+
+def regenerate(conversations: list, cfg: RootConfig, tokenizer, seed: int, *, model=None, log_dir: Path | None = None,
+               endpoint: "Endpoint | None" = None, desc: str = "regenerate") -> list[Rendered]:
+    """The target's responses to each conversation's prompt (its turns before the first answer), one `Rendered`
+    per conversation, in order.
+
+    engine=hf needs `model`. engine=server uses `endpoint` when given (one server for many calls), else opens one
+    for this call: `data.regenerate.url`, or a server the serve stage's launcher starts (its log in `log_dir`)
+    and stops on return."""
+    r = cfg.data.regenerate
+    max_len = cfg.data.max_seq_len
+    prompts = [prompt_ids(tokenizer, c, max(1, max_len - 1)) for c in conversations]
+    if r.engine == "hf":
+        if model is None:
+            raise RegenerateError("data.regenerate.engine=hf generates with the target in this process, but no model was given")
+        return hf_responses(model, tokenizer, prompts, max_len, r, seed, desc)
+    if endpoint is not None:
+        return server_responses(endpoint, prompts, tokenizer.eos_token_id, max_len, r, seed, desc)
+    with Endpoint(cfg, log_dir) as own:
+        return server_responses(own, prompts, tokenizer.eos_token_id, max_len, r, seed, desc)
+
+
+def _rendered(prompt: list[int], response: list[int], eos: int | None, max_len: int) -> Rendered:
+    if eos is not None and eos in response:
+        response = response[: response.index(eos) + 1]
+    response = response[: max_len - len(prompt)]
+    return Rendered(list(prompt) + response, [0] * len(prompt) + [1] * len(response))
+
+
+def hf_responses(model, tokenizer, prompts: list[list[int]], max_len: int, r, seed: int, desc: str) -> list[Rendered]:
+    """HF `generate` over left-padded batches of `r.batch_size` prompts: greedy at temperature 0, seeded sampling
+    above it."""
+    import torch
+    from tqdm import tqdm
+
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    generator_seed = torch.Generator().manual_seed(seed)
+    out: list[Rendered] = []
+    starts = range(0, len(prompts), r.batch_size)
+    for start in tqdm(starts, desc=desc, unit="batch", total=len(starts)):
+        batch = prompts[start : start + r.batch_size]
+        width = max(len(p) for p in batch)
+        new_tokens = min(r.max_new_tokens, max_len - min(len(p) for p in batch))
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        attn = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, p in enumerate(batch):  # left padding: every row's next token is at the same column
+            ids[row, width - len(p) :] = torch.tensor(p)
+            attn[row, width - len(p) :] = 1
+        sampling = {"do_sample": False} if r.temperature == 0 else {"do_sample": True, "temperature": r.temperature, "top_k": 0, "top_p": 1.0}
+        if r.temperature > 0:
+            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator_seed)))
+        with torch.no_grad():
+            device = model.get_input_embeddings().weight.device  # a spread target takes its inputs on its first GPU
+            generated = model.generate(
+                input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=new_tokens, pad_token_id=pad,
+                eos_token_id=eos, **sampling,
+            )[:, width:]
+        out += [_rendered(p, generated[row].tolist(), eos, max_len) for row, p in enumerate(batch)]
+    return out
+
+
+def server_responses(endpoint: "Endpoint", prompts: list[list[int]], eos: int | None, max_len: int, r, seed: int, desc: str) -> list[Rendered]:
+    """One request per prompt, `r.concurrency` in flight, each asking for at most `r.max_new_tokens` (and no more
+    than `max_len` allows) and stopping at the tokenizer's end token. At temperature 0 the engine decodes greedily;
+    above it each request carries a seed drawn from `seed` (SGLang applies it only when launched with
+    --enable-deterministic-inference)."""
+    from tqdm import tqdm
+
+    url, model_name = endpoint.open()
+    seeds = random.Random(seed).sample(range(2**31), len(prompts)) if r.temperature > 0 else [None] * len(prompts)
+
+    def ask(i: int) -> list[int]:
+        sampling = {"max_new_tokens": min(r.max_new_tokens, max_len - len(prompts[i])), "temperature": r.temperature}
+        if eos is not None:
+            sampling["stop_token_ids"] = [eos]
+        if seeds[i] is not None:
+            sampling["sampling_seed"] = seeds[i]
+        try:
+            return client.output_ids(url, prompts[i], sampling, r.api, endpoint.request_timeout, model_name)
+        except client.EndpointError as exc:
+            raise endpoint.fail(f"prompt {i}: {exc}") from None
+
+    pool = ThreadPoolExecutor(max_workers=r.concurrency, thread_name_prefix="regenerate")
+    try:
+        futures = [pool.submit(ask, i) for i in range(len(prompts))]
+        responses = [f.result() for f in tqdm(futures, desc=desc, unit="prompt")]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # a failed request stops the ones not yet sent
+    return [_rendered(p, response, eos, max_len) for p, response in zip(prompts, responses)]
+
+
+class Endpoint:
+    """Where engine=server sends its requests: `data.regenerate.url`, or, when that is null, the target served by
+    the serve stage's launcher (`serving.launch.server_command`: SGLang's command or the reference engine's, as
+    serve.* configures it, without a draft) on a free port of 127.0.0.1, started on first use and stopped on close.
+
+    Open it around several `regenerate` calls to start one server for all of them."""
+
+    def __init__(self, cfg: RootConfig, log_dir: Path | None = None):
+        self.cfg = cfg
+        self.log_dir = Path(log_dir) if log_dir is not None else cfg.outputs / "regenerate"
+        self.request_timeout = cfg.serve.request_timeout_s
+        self.server: client.ServerProcess | None = None
+        self._opened: tuple[str, str | None] | None = None
+
+    def __enter__(self) -> "Endpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        self._opened = None
+
+    def open(self) -> tuple[str, str | None]:
+        """(url, model name for the completions API), starting the server on first use."""
+        if self._opened is not None:
+            return self._opened
+        r = self.cfg.data.regenerate
+        if r.url is None:
+            url = self._start()
+        else:
+            url = r.url.rstrip("/")
+        try:
+            model_name = client.check_endpoint(url, r.api, timeout=min(30.0, self.request_timeout))
+        except client.EndpointError as exc:
+            raise self.fail(f"the endpoint does not answer: {exc}") from None
+        self._opened = (url, model_name)
+        return self._opened
+
+    def command(self, port: int) -> list[str]:
+        """The serve stage's launch command for the target alone (no draft: no speculative arguments)."""
+        from orchestrator.serving.launch import server_command
+        from orchestrator.targets import ensure_target
+
+        return server_command(self.cfg, ensure_target(self.cfg, progress=False), None, port)
+
+    def _start(self) -> str:
+        from orchestrator.serving import sglang as sglang_engine
+
+        s = self.cfg.serve
+        port = client.free_port()
+        command = self.command(port)
+        if s.engine == "sglang" and sglang_engine.sglang_available(s.python):
+            sglang_engine.validate_with_sglang(s.python, command)
+        print(f"[regenerate] serving the target for data.regenerate.engine=server: {' '.join(command)}")
+        self.server = client.ServerProcess(command, port, self.log_dir / "regenerate_server.log", s.startup_timeout_s)
+        self.server.__enter__()
+        return self.server.url
+
+    def fail(self, what: str) -> Exception:
+        r = self.cfg.data.regenerate
+        if self.server is not None:
+            return self.server.fail(f"data.regenerate.engine=server, the server started with serve.engine={self.cfg.serve.engine} "
+                                    f"(data.regenerate.url=null, api={r.api}): {what}")
+        return RegenerateError(
+            f"data.regenerate.url={r.url!r} (data.regenerate.api={r.api}): {what}. Start a server there that speaks "
+            f"{'SGLang /generate' if r.api == 'generate' else 'OpenAI /v1/completions with return_token_ids'}, or set "
+            "data.regenerate.url=null to start one with the serve stage's launcher"
+        )

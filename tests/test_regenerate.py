@@ -1,0 +1,205 @@
+"""Regeneration through a serving endpoint (data.regenerate.engine=server): the reference engine on the tiny target,
+launched by the serve stage's launcher or given as a URL, returns token for token the ids HF `generate` does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from orchestrator.config import ConfigError
+from orchestrator.data import conversations, prompt_ids
+from orchestrator.pipeline import run_pipeline
+from orchestrator.regenerate import Endpoint, RegenerateError, regenerate
+from orchestrator.serving import client
+from orchestrator.serving import sglang as sglang_engine
+from orchestrator.serving.launch import server_command
+from orchestrator.targets import ensure_target, load_target
+
+from conftest import compose_config
+from test_config import compose_root
+
+# Short responses keep a pass to seconds; at 42 tokens some responses are cut by max_seq_len, others by max_new_tokens.
+SHORT = ("data.regenerate.max_new_tokens=24", "data.max_seq_len=42")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_config):
+    """(cfg, model, tokenizer, prompts' conversations, the HF engine's greedy sequences one prompt at a time)."""
+    cfg = tiny_config(*SHORT, "data.regenerate.batch_size=1")
+    model, tokenizer = load_target(ensure_target(cfg, progress=False))
+    _, val = conversations(cfg.data, cfg.seed)
+    convs = val[:6]
+    hf = regenerate(convs, cfg, tokenizer, cfg.seed, model=model)
+    return cfg, model, tokenizer, convs, hf
+
+
+def _pairs(seqs):
+    return [(s.input_ids, s.loss_mask) for s in seqs]
+
+
+def test_the_comparison_covers_both_budgets(tiny):
+    """The comparisons below mean something: prompts of several lengths, responses cut by data.max_seq_len and by
+    max_new_tokens. (The FAST tiny target, trained for 60 steps, does not reach its end token within 24 tokens;
+    the cut after it is the same code for both engines, `test_responses_end_after_the_first_end_token`.)"""
+    cfg, _, tokenizer, convs, hf = tiny
+    prompts = [prompt_ids(tokenizer, c, cfg.data.max_seq_len - 1) for c in convs]
+    assert len({len(p) for p in prompts}) > 1
+    assert all(s.input_ids[: len(p)] == p and s.loss_mask == [0] * len(p) + [1] * (len(s.input_ids) - len(p)) for s, p in zip(hf, prompts))
+    lengths = [len(s.input_ids) for s in hf]
+    responses = [len(s.input_ids) - len(p) for s, p in zip(hf, prompts)]
+    assert cfg.data.max_seq_len in lengths, "no response cut by data.max_seq_len"
+    assert 24 in responses and len(set(responses)) > 1, "no response cut by data.regenerate.max_new_tokens"
+
+
+def test_responses_end_after_the_first_end_token():
+    from orchestrator.regenerate import _rendered
+
+    eos = 2
+    cut = _rendered([1, 7], [5, 6, eos, 9, eos], eos, max_len=10)
+    assert (cut.input_ids, cut.loss_mask) == ([1, 7, 5, 6, eos], [0, 0, 1, 1, 1])
+    assert _rendered([1, 7], [5, 6, 8], eos, max_len=4).input_ids == [1, 7, 5, 6]
+
+
+def test_launched_server_returns_the_hf_engines_greedy_ids(tiny, tmp_path):
+    """url=null: the serve stage's launcher starts the reference engine (no draft) on a free port, and stops it."""
+    cfg, _, tokenizer, convs, hf = tiny
+    server_cfg = compose_server(cfg, "data.regenerate.concurrency=3")
+    with Endpoint(server_cfg, tmp_path) as endpoint:
+        served = regenerate(convs, server_cfg, tokenizer, cfg.seed, endpoint=endpoint)
+        process = endpoint.server.proc
+        command = endpoint.server.command
+        again = regenerate(convs[:2], server_cfg, tokenizer, cfg.seed, endpoint=endpoint)  # the same server, reused
+        assert endpoint.server.proc is process
+    assert _pairs(served) == _pairs(hf), "the server's greedy ids differ from HF generate's"
+    assert _pairs(again) == _pairs(hf[:2])
+    assert process.poll() is not None, "the launched server outlived the endpoint"
+    assert command[1:3] == ["-m", "orchestrator.serving.reference"] and "--draft" not in command
+    assert "POST /generate" in (tmp_path / "regenerate_server.log").read_text()
+
+
+def test_regenerate_without_an_endpoint_starts_and_stops_its_own(tiny, tmp_path):
+    cfg, _, tokenizer, convs, hf = tiny
+    server_cfg = compose_server(cfg)
+    served = regenerate(convs[:3], server_cfg, tokenizer, cfg.seed, log_dir=tmp_path)
+    assert _pairs(served) == _pairs(hf[:3])
+    log = (tmp_path / "regenerate_server.log").read_text()
+    assert log.count("POST /generate") == 3 and "reference engine ready" in log
+
+
+@pytest.mark.parametrize("api", ["generate", "completions"])
+def test_given_url(tiny, tmp_path, api):
+    """url given: a server the test starts itself, reached through SGLang's /generate or OpenAI's /v1/completions."""
+    cfg, _, tokenizer, convs, hf = tiny
+    port = client.free_port()
+    command = server_command(cfg, ensure_target(cfg, progress=False), None, port)
+    with client.ServerProcess(command, port, tmp_path / "server.log", startup_timeout=120) as server:
+        given = compose_server(cfg, f"data.regenerate.url={server.url}", f"data.regenerate.api={api}", "data.regenerate.concurrency=4")
+        with Endpoint(given, tmp_path / "unused") as endpoint:
+            served = regenerate(convs, given, tokenizer, cfg.seed, endpoint=endpoint)
+            assert endpoint.server is None, "a given url starts no server"
+    assert _pairs(served) == _pairs(hf)
+    assert not (tmp_path / "unused").exists()
+    path = "POST /generate" if api == "generate" else "POST /v1/completions"
+    assert (tmp_path / "server.log").read_text().count(path) == len(convs)
+
+
+def test_unreachable_url_names_the_key(tiny):
+    cfg, _, tokenizer, convs, _ = tiny
+    url = f"http://127.0.0.1:{client.free_port()}"  # nothing listens there
+    given = compose_server(cfg, f"data.regenerate.url={url}")
+    with pytest.raises(RegenerateError) as err:
+        regenerate(convs[:1], given, tokenizer, cfg.seed)
+    message = str(err.value)
+    assert f"data.regenerate.url='{url}'" in message and "does not answer" in message and "ConnectionError" in message, message
+    assert "data.regenerate.url=null" in message, "the fix is named"
+
+
+def test_completions_api_against_a_server_without_it_names_the_key(tiny, tmp_path):
+    """An endpoint that answers, but not the API asked for: the reference engine has /v1/models and /v1/completions,
+    so point the completions API at a plain HTTP server that has neither."""
+    import http.server
+    import threading
+
+    cfg, _, tokenizer, convs, _ = tiny
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        given = compose_server(cfg, f"data.regenerate.url={url}", "data.regenerate.api=completions")
+        with pytest.raises(RegenerateError) as err:
+            regenerate(convs[:1], given, tokenizer, cfg.seed)
+    finally:
+        httpd.shutdown()
+    message = str(err.value)
+    assert "data.regenerate.url=" in message and "/v1/models answered 404" in message, message
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["data.regenerate.url=localhost:30000"], "data.regenerate.url='localhost:30000': expected the server's base URL"),
+        (["data.regenerate.url=http://127.0.0.1:30000/generate"], "without a path"),
+        (["data.regenerate.url=http://127.0.0.1:99999"], "data.regenerate.url='http://127.0.0.1:99999'"),
+        (["data.regenerate.url=ftp://host:1"], "data.regenerate.url='ftp://host:1'"),
+        (["data.regenerate.engine=hf", "data.regenerate.url=http://127.0.0.1:30000"], "is an endpoint for data.regenerate.engine=server"),
+        (["data.regenerate.engine=vllm"], "data.regenerate.engine='vllm': expected one of ('hf', 'server')"),
+        (["data.regenerate.api=chat"], "data.regenerate.api='chat'"),
+        (["data.regenerate.concurrency=0"], "data.regenerate.concurrency=0"),
+        (["data.regenerate.temperature=0.7"], "the reference engine decodes greedily only"),
+    ],
+)
+def test_bad_regenerate_config_names_the_key(overrides, fragment):
+    with pytest.raises(ConfigError) as err:
+        compose_root(["+experiment=tiny_eagle3", "data.regenerate.engine=server", *overrides])
+    assert fragment in str(err.value), str(err.value)
+
+
+def test_kimi_regenerates_through_the_sglang_command_without_a_draft(tmp_path):
+    """kimi_eagle3 defaults to engine=server; with no url the endpoint runs the serve stage's SGLang command for the
+    target alone: tp 8, trust-remote-code, the serve dtype, and no speculative argument."""
+    cfg = compose_root(["+experiment=kimi_eagle3"])
+    r = cfg.data.regenerate
+    assert (r.engine, r.url, r.api) == ("server", None, "generate")
+    model = tmp_path / "Kimi-K2.5"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"]}))
+    cfg = compose_root(["+experiment=kimi_eagle3", "data.regenerate.enabled=true", f"target.path={model}"])
+    command = Endpoint(cfg).command(30000)
+    assert command == sglang_engine.launch_command(cfg, str(model), None, 30000)
+    assert command[1:3] == ["-m", "sglang.launch_server"]
+    assert not [a for a in command if a.startswith("--speculative")], command
+    for flag in (["--model-path", str(model)], ["--tp-size", "8"], ["--trust-remote-code"], ["--dtype", "bfloat16"], ["--port", "30000"]):
+        assert any(command[i : i + len(flag)] == flag for i in range(len(command))), (flag, command)
+
+
+def test_extraction_with_the_server_engine(tiny_config, tmp_path, monkeypatch):
+    """The extract stage end to end with engine=server: its regenerated sequences are the HF engine's."""
+    small = ("data.max_train_conversations=6", "data.max_val_conversations=2", "extract.shard_conversations=4")
+    cfg = tiny_config("stages=[extract]", "cluster=debug", *SHORT, *small, "data.regenerate.engine=server")
+    monkeypatch.chdir(tmp_path)
+    summary = run_pipeline(cfg, tmp_path / "run")
+    out = Path(summary["stages"]["extract"]["output"])
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["data"]["regenerate"]["engine"] == "server"
+    assert manifest["data"]["responses"] == "regenerated by the target"
+    assert (out / "train" / "regenerate_server.log").exists() and (out / "val" / "regenerate_server.log").exists()
+
+    hf_cfg = tiny_config(*SHORT, *small, "data.regenerate.batch_size=1")
+    model, tokenizer = load_target(ensure_target(hf_cfg, progress=False))
+    train, val = conversations(hf_cfg.data, hf_cfg.seed)
+    for split, convs, seed in (("train", train, cfg.seed), ("val", val, cfg.seed + 1)):
+        kept = load_file(str(out / split / "regenerated.safetensors"))
+        lens = kept["seq_lens"].tolist()
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        served = [kept["input_ids"][a : a + n].tolist() for a, n in zip(starts, lens)]
+        assert served == [s.input_ids for s in regenerate(convs, hf_cfg, tokenizer, seed, model=model)], split
+    assert manifest["splits"]["train"]["num_sequences"] == 6
+
+
+def compose_server(cfg, *overrides):
+    """The session's tiny config (the outputs folder of `cfg`) with engine=server on the reference engine."""
+    return compose_config(cfg.outputs, "data.regenerate.engine=server", *SHORT, *overrides)
