@@ -50,8 +50,8 @@ def test_regenerated_sequences_are_kept_for_a_restarted_extraction(tiny_config, 
     cfg = tiny_config("data.regenerate.max_new_tokens=10")
     model, tokenizer = load_target(ensure_target(cfg, progress=False))
     _, val = conversations(cfg.data, cfg.seed)
-    first = _sequences(model, tokenizer, val[:5], "val", tmp_path, cfg)
-    kept = tmp_path / "val" / "regenerated.safetensors"
+    first = _sequences(model, tokenizer, val[:5], "val", 3, tmp_path, cfg)
+    kept = tmp_path / "val" / "regenerated_00003.safetensors"  # the shard's own file
     assert kept.exists() and not list(kept.parent.glob(".*.tmp")), "written under a temporary name, then renamed"
-    again = _sequences(None, tokenizer, val[:5], "val", tmp_path, cfg)  # no model: it must read, not generate
+    again = _sequences(None, tokenizer, val[:5], "val", 3, tmp_path, cfg)  # no model: it must read, not generate
     assert [(r.input_ids, r.loss_mask) for r in again] == [(r.input_ids, r.loss_mask) for r in first]
