@@ -373,6 +373,13 @@ def check_resources(cfg: RootConfig, stage: str) -> None:
             f"{stage}.resources.tasks_per_node={tasks} with gpus_per_node={r.gpus_per_node}: each task needs the same "
             f"whole number of GPUs; use a divisor of {r.gpus_per_node}"
         )
+    if cfg.cluster.kind != "slurm" and r.nodes > 1:
+        raise ConfigError(f"{stage}.resources.nodes={r.nodes} with cluster.kind={cfg.cluster.kind}: only a Slurm cluster has several nodes")
+    if cfg.cluster.kind == "debug" and tasks > 1:
+        raise ConfigError(
+            f"{stage}.resources.tasks_per_node={tasks} with cluster=debug, which runs each stage in this process: "
+            "use cluster=local to run several ranks"
+        )
     regen = cfg.data.regenerate
     if stage == "extract" and regen.enabled and regen.engine == "server" and regen.url is None and r.gpus_per_node and tasks > 1:
         raise ConfigError(

@@ -97,3 +97,14 @@ def test_a_short_last_batch_leaves_a_rank_a_sequence_that_counts_nothing():
 def test_a_global_batch_that_does_not_split_between_ranks_is_refused(tiny_config):
     with pytest.raises(ConfigError, match="train.batch_size=8 over 3 ranks"):
         tiny_config("train.resources.tasks_per_node=3")
+
+
+def test_ranks_the_cluster_cannot_run_are_refused_before_any_job(tiny_config):
+    with pytest.raises(ConfigError, match="cluster=debug, which runs each stage in this process"):
+        tiny_config("cluster=debug", "train.resources.tasks_per_node=2")
+    with pytest.raises(ConfigError, match="only a Slurm cluster has several nodes"):
+        tiny_config("cluster=local", "extract.resources.nodes=2")
+    with pytest.raises(ConfigError, match="eval runs as one process"):
+        tiny_config("eval.resources.tasks_per_node=2")
+    with pytest.raises(ConfigError, match="train.precision='fp8'"):
+        tiny_config("train.precision=fp8")

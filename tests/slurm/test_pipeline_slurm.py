@@ -181,3 +181,32 @@ def test_training_requeued_on_sigusr2_resumes_from_checkpoint(slurm_outputs):
     logs = "".join(p.read_text(errors="replace") for p in record.parent.glob(f"jobs/{job_id}_*"))
     assert "resumed from" in logs, logs[-3000:]
     assert (checkpoint.parent.parent / "manifest.json").exists()
+
+
+def test_training_as_a_two_task_job_reaches_the_one_task_weights(slurm_outputs):
+    """DDP over two Slurm tasks of one job (gloo on CPUs): each task takes its rank from submitit's task model,
+    and the draft equals a one-task job's on the same extraction."""
+    from safetensors.torch import load_file
+    import torch
+
+    common = ["+experiment=tiny_eagle3", *SLURM_FAST, "cluster.wait=true", "stages=[extract,train]", "train.max_steps=8"]
+    proc = cli(slurm_outputs, *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the same extraction and target in a second outputs folder: resources do not key the cache, a new folder does
+    two = slurm_outputs.parent / "two"
+    for part in ("targets", "extract"):
+        shutil.copytree(slurm_outputs / "cache" / part, two / "cache" / part, ignore=shutil.ignore_patterns("*.lock", ".job.json"))
+    proc = cli(two, *common, "train.resources.tasks_per_node=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = {}
+    for name, root in (("one", slurm_outputs), ("two", two)):
+        summaries[name] = json.loads(max(root.rglob("summary.json"), key=lambda p: p.stat().st_mtime).read_text())
+    t1, t2 = summaries["one"]["stages"]["train"], summaries["two"]["stages"]["train"]
+    assert t1["compute"]["world_size"] == 1 and t2["compute"] | {} == {
+        "device": "cpu", "devices": ["cpu"], "dtype": "float32", "world_size": 2, "backend": "gloo"}
+    assert summaries["two"]["stages"]["extract"]["cached"] is True
+    w1, w2 = (load_file(str(Path(t["draft_dir"]) / "model.safetensors")) for t in (t1, t2))
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+    second_task = list(Path(summaries["two"]["run_dir"], "jobs").glob("*_1_log.out"))  # the train job's task 1
+    assert second_task and "global_rank=1(2)" in second_task[0].read_text(errors="replace")

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU check, as one prepared script: the tiny demo with every stage on CUDA, then the GPU training benchmark,
+# then one JSON line with what ran where and what it measured.
+#
+#   bash scripts/gpu_check.sh          on a single-GPU Linux machine with PyTorch, transformers and triton and no
+#                                      network: the project's other pure-Python dependencies travel as wheels in
+#                                      .whl/ (made here by scripts/gpu_wheels.sh) and are installed to /tmp/site
+#   bash scripts/gpu_check.sh --cpu    the same steps, reduced, on the CPU (tests/test_gpu_check.py runs it in CI)
+#
+# Results go to $GPU_CHECK_OUT (default: $OUT where the device tool sets it, else outputs/gpu_check). Exits
+# non-zero when a stage did not run on the device asked for.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+mode=cuda
+[ "${1:-}" = "--cpu" ] && mode=cpu
+out="$(mkdir -p "${GPU_CHECK_OUT:-${OUT:-outputs/gpu_check}}" && cd "${GPU_CHECK_OUT:-${OUT:-outputs/gpu_check}}" && pwd)"
+python="${PYTHON:-python3}"
+[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && python=.venv/bin/python
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MLFLOW_DISABLE_TELEMETRY=true
+
+if [ "$mode" = cuda ]; then
+  gpus=1
+  demo=()
+  bench=(--device cuda --shape kimi --seqs 2048 8192)
+else
+  gpus=0
+  # the test suite's reduced tiny experiment (tests/conftest.py FAST)
+  demo=(target.tiny.train.steps=60 target.tiny.train.max_files=80 data.max_files=80 data.max_train_conversations=96
+        data.max_val_conversations=16 data.max_seq_len=160 extract.shard_conversations=32 train.max_steps=16
+        train.val_every=8 train.checkpoint_every=4 train.log_every=4 eval.max_conversations=8 serve.prompts=4
+        serve.max_new_tokens=24 serve.concurrency=[1] serve.repeats=1)
+  bench=(--device cpu --shape tiny --seqs 64 --steps 2 --warmup 1)
+fi
+
+started=$(date +%s)
+"$python" -m orchestrator +experiment=tiny_eagle3 cluster=local run_name=gpu_check \
+  "outputs_dir=${GPU_CHECK_OUTPUTS:-$out/outputs}" "hydra.run.dir=$out/run" \
+  extract.resources.gpus_per_node=$gpus train.resources.gpus_per_node=$gpus \
+  eval.resources.gpus_per_node=$gpus serve.resources.gpus_per_node=$gpus "${demo[@]}" >"$out/demo.log" 2>&1 \
+  || { tail -50 "$out/demo.log"; exit 1; }
+demo_s=$(( $(date +%s) - started ))
+
+"$python" scripts/bench_train_gpu.py "${bench[@]}" --json "$out/bench.json" >"$out/bench.log" 2>&1 \
+  || { tail -50 "$out/bench.log"; exit 1; }
+
+"$python" - "$out" "$mode" "$demo_s" <<'PY'
+import json, sys
+from pathlib import Path
+
+out, mode, demo_s = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+summary = json.loads((out / "run" / "summary.json").read_text())
+stages = summary["stages"]
+devices = {s: r.get("compute", {}).get("device") for s, r in stages.items()}
+bench = json.loads((out / "bench.json").read_text())
+line = {
+    "mode": mode,
+    "stage_devices": devices,
+    "stage_dtypes": {s: r.get("compute", {}).get("dtype") for s, r in stages.items()},
+    "all_on_device": all(d == mode for d in devices.values()),
+    "demo_s": demo_s,
+    "train_val_acc_0": stages["train"].get("val_acc_0"),
+    "eval_expected_accept_length": stages["eval"].get("expected_accept_length"),
+    "served_accept_length": stages["serve"].get("accept_length"),
+    "speedup": stages["serve"].get("speedup"),
+    "mismatch_flags": summary["mismatch_flags"],
+    "bench": bench,
+}
+print(json.dumps(line))
+sys.exit(0 if line["all_on_device"] else 1)
+PY
