@@ -358,7 +358,9 @@ def print_summary(summary: dict[str, Any]) -> None:
     table.add_column("result", overflow="fold")
     for stage, result in summary["stages"].items():
         headline = result.get("headline") or {k: v for k, v in result.items() if isinstance(v, (int, float, str, bool))}
-        table.add_row(stage, ", ".join(f"{k}={_fmt(v)}" for k, v in headline.items()))
+        ran = result.get("compute")
+        where = f"  [{ran['device']}, {ran['dtype']}, {ran['world_size']} rank(s)]" if ran else ""
+        table.add_row(stage, ", ".join(f"{k}={_fmt(v)}" for k, v in headline.items()) + where)
     table.add_row("mismatch", "; ".join(summary["mismatch_flags"]) or "none")
     Console(width=200).print(table)
     print(f"MLflow run: {summary['mlflow_url']}")

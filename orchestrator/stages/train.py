@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -373,11 +374,19 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     draft.train()
     tokens, window_started = 0, time.time()
     bar = tqdm(total=total, initial=step, desc="train" + (f" (rank {compute.rank}/{compute.world_size})" if compute.distributed else ""), unit="step")
-    while step < total:
-        share, counts = rank_share(batches_for_step(len(train_seqs), tc.batch_size, tc.seed, step), compute)
+    def load_batch(at: int) -> tuple[Batch, bool]:
+        share, counts = rank_share(batches_for_step(len(train_seqs), tc.batch_size, tc.seed, at), compute)
         batch = collate([train_seqs[i] for i in share])
         if not counts:
             batch.loss_mask.zero_()
+        return batch, counts
+
+    # Bounded prefetch: one batch is read from the shards and collated while the step before it computes.
+    prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+    upcoming = prefetch.submit(load_batch, step) if step < total else None
+    while step < total:
+        batch, counts = upcoming.result()
+        upcoming = prefetch.submit(load_batch, step + 1) if step + 1 < total else None
         batch = batch.to(compute.device)
         denominators = compute.all_reduce_sum(step_counts(batch, steps)).clamp(min=1) / compute.world_size
         for group in optim.param_groups:
@@ -411,6 +420,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         if step % tc.checkpoint_every == 0 or step == total:
             save_checkpoint()
     bar.close()
+    prefetch.shutdown()
 
     final = history[-1] if history else validate()
     if not compute.is_main:
