@@ -134,6 +134,8 @@ GPU_FILL = 0.85
 
 def device_placement(compute: Compute) -> dict[str, Any]:
     """`from_pretrained`'s placement arguments for a process's devices."""
+    if compute.device.type == "cpu":
+        return {}  # loaded where from_pretrained loads by default
     if len(compute.devices) == 1:
         return {"device_map": {"": str(compute.device)}}
     return {
