@@ -1,0 +1,398 @@
+"""The project's training step against SpecForge's, on one GPU, at the Kimi draft shape (issue 11, point 6).
+
+    python scripts/bench_train_gpu.py --json bench_train_gpu.json          # one GPU: seq 2048 and 8192
+    python scripts/bench_train_gpu.py --device cpu --shape tiny --seqs 64 --steps 2 --warmup 1   # CI smoke run
+
+In one process, on synthetic data (batch 1; random aux states [1, L, 3H] and teacher states [1, L, H], loss mask
+all ones), it times per sequence length:
+  * the project: `Eagle3Draft` and a random frozen `TeacherHead` through `TrainStep` (`ttt_forward`), TTT 7, step
+    weights 0.8^k, bf16 autocast over float32 weights on a GPU (train.precision=auto), AdamW, gradient clipping;
+  * SpecForge (`pip install --no-deps` its wheel): `OnlineEagle3Model` over `LlamaForCausalLMEagle3` with the same
+    shape, vocabulary map and data, per attention backend in --specforge-backends; bf16 weights with float32
+    master copies in its `BF16Optimizer`, loss sum(0.8^i * loss_i), as its trainer does. Its teacher logits come
+    from a frozen bf16 [V, H] head over the same teacher states inside the timed step, as its strategy does for
+    stored hidden states (--specforge-teacher head), or are made once outside the timing (logits).
+It prints tokens/s, peak memory, model FLOPs utilisation and the ratio to SpecForge's flex_attention per length,
+checks the two targets (>= 1.0x SpecForge flex_attention at 2048; 8192 within 80 GiB), and writes --json.
+An out-of-memory configuration is reported as such; the others still run.
+
+A script of its own rather than `bench_train.py --gpu`: that one composes Hydra configs and runs extraction on the
+tiny target, and the GPU machine has neither hydra nor mlflow nor submitit. This one imports torch, transformers,
+rich and the project's `orchestrator.draft`, `orchestrator.stages.train` and `orchestrator.compute`, and SpecForge
+only when it times it. On the H200 image (torch, transformers, triton, safetensors, tqdm, requests, rich, pyyaml) it
+needs two more wheels, omegaconf and antlr4-python3-runtime==4.9.3, because `orchestrator.stages.train` imports
+`orchestrator.config` (omegaconf) directly and through `stages.extract` and `targets`; and the SpecForge wheel, with
+--no-deps. Run from the repository root with PYTHONPATH=. (or the project installed with --no-deps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+import traceback
+from importlib import metadata
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import transformers
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator.compute import DTYPES, peak_memory_bytes, resolve_precision, synchronize
+from orchestrator.draft.export import build_vocab_map
+from orchestrator.draft.model import DraftShape, Eagle3Draft, default_shape
+from orchestrator.stages.train import Batch, TeacherHead, TrainStep, step_counts
+
+# conf/draft/kimi_k25.yaml over conf/target/kimi_k25.yaml (hidden, vocabulary, rope theta); a test keeps them equal.
+SHAPES = {
+    "kimi": dict(target_hidden=7168, vocab=163840, num_aux=3, hidden=7168, heads=64, kv_heads=64, head_dim=128,
+                 intermediate=18432, draft_vocab=32000, eps=1e-6, rope_theta=50000.0),
+    "tiny": dict(target_hidden=64, vocab=1024, num_aux=3, hidden=64, heads=4, kv_heads=4, head_dim=16,
+                 intermediate=128, draft_vocab=256, eps=1e-6, rope_theta=10000.0),
+}
+# conf/train/default.yaml
+TTT_STEPS, STEP_WEIGHT_DECAY = 7, 0.8
+LR, BETAS, WEIGHT_DECAY, GRAD_CLIP = 1e-3, (0.9, 0.95), 0.0, 0.5
+TEACHER_KIND = "post_norm"  # conf/extract/default.yaml
+GIB = 2**30
+MEMORY_TARGET_GIB, RATIO_TARGET = 80.0, 1.0
+PROJECT = "project"
+
+
+def shape_of(name: str, seq: int) -> DraftShape:
+    s = SHAPES[name]
+    return default_shape(s["target_hidden"], s["vocab"], s["num_aux"], s["hidden"], s["heads"], s["kv_heads"],
+                         s["head_dim"], s["intermediate"], s["draft_vocab"], s["eps"], s["rope_theta"],
+                         max(seq + TTT_STEPS, 2048))
+
+
+def flops_per_token(s: DraftShape, seq: int, ttt: int = TTT_STEPS) -> float:
+    """Model FLOPs of one training token (DOMAIN.md §8), multiply-adds counted as 2 FLOPs:
+
+        6 x (K*Ht*H + T x (attention projections + 3*H*I + H*Vd + causal attention)) + 2*Ht*V
+
+    6 = forward and backward of the draft; the fc runs once, the decoder layer and the draft head once per TTT step
+    (T); attention projections = q, k, v from the 2H input and o; causal attention = QK^T and AV over on average
+    half the sequence, heads*D*seq multiply-adds; 2*Ht*V = the frozen teacher head, forward only."""
+    h, q, kv = s.hidden_size, s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+    projections = 2 * h * q + 2 * (2 * h * kv) + q * h
+    causal_attention = q * seq
+    per_step = projections + 3 * h * s.intermediate_size + h * s.draft_vocab_size + causal_attention
+    fc = s.num_aux_layers * s.target_hidden_size * h
+    return 6 * (fc + ttt * per_step) + 2 * s.target_hidden_size * s.vocab_size
+
+
+@dataclass
+class Data:
+    """One synthetic batch: what the train stage's collate gives (float32 states), on the device."""
+
+    batch: Batch
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
+
+def synthetic(s: DraftShape, seq: int, device: torch.device, seed: int) -> Data:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(0, s.vocab_size, (1, seq), generator=gen, device=device)
+    aux = torch.randn(1, seq, s.num_aux_layers * s.target_hidden_size, generator=gen, device=device)
+    teacher = torch.randn(1, seq, s.target_hidden_size, generator=gen, device=device)
+    mask = torch.ones(1, seq, dtype=torch.bool, device=device)
+    lengths = torch.tensor([seq], device=device)
+    counts = torch.randint(0, 1000, (s.vocab_size,), generator=torch.Generator().manual_seed(seed))
+    d2t, t2d = build_vocab_map(counts, s.draft_vocab_size)
+    return Data(Batch(ids, mask, lengths, aux, teacher), d2t.to(device), t2d.to(device))
+
+
+def teacher_weights(s: DraftShape, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    lm_head = torch.randn(s.vocab_size, s.target_hidden_size, generator=gen, device=device)
+    return {"norm": torch.ones(s.target_hidden_size, device=device), "lm_head": lm_head.mul_(s.target_hidden_size**-0.5)}
+
+
+def project_step(s: DraftShape, data: Data, device: torch.device, dtype: torch.dtype, seed: int) -> Callable[[], None]:
+    """One optimizer step of the train stage's loop (`train.run`) on a world of one."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        draft = Eagle3Draft(s)
+    draft.set_vocab_map(data.d2t, data.t2d)
+    head = TeacherHead(teacher_weights(s, device, seed), TEACHER_KIND, s.rms_norm_eps)
+    kept = draft.to_target_ids(torch.arange(s.draft_vocab_size, device=device))
+    weights = [STEP_WEIGHT_DECAY**k for k in range(TTT_STEPS)]
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+    bf16 = dtype == torch.bfloat16  # autocast; the weights and the optimizer stay float32
+    model = TrainStep(draft)
+    draft.train()
+    batch = data.batch
+
+    def step() -> None:
+        denominators = step_counts(batch, TTT_STEPS).clamp(min=1)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss, _ = model(head, batch, TTT_STEPS, kept, weights, denominators.to(device))
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+        optim.step()
+
+    return step
+
+
+def specforge_unavailable(device: torch.device) -> str | None:
+    """Why SpecForge cannot be timed here, or None."""
+    if device.type != "cuda":
+        return (f"device is {device.type}: SpecForge's loss is a triton GPU kernel (specforge/core/loss.py) and its "
+                "norms and teacher are torch.compile'd for a GPU")
+    try:
+        import specforge.algorithms.eagle3.model  # noqa: F401  (imports triton for the loss)
+        import specforge.modeling.draft.llama3_eagle  # noqa: F401
+        import specforge.optimizer  # noqa: F401
+    except Exception as exc:  # an ImportError, or one of its dependencies failing at import
+        return f"cannot import specforge ({type(exc).__name__}: {exc}); install its wheel with pip install --no-deps"
+    return None
+
+
+def specforge_step(s: DraftShape, data: Data, device: torch.device, backend: str, teacher_mode: str, seed: int) -> Callable[[], None]:
+    """One step of SpecForge 0.2.0's trainer for EAGLE-3 on a world of one (no FSDP wrapper): its strategy's
+    forward (`training/strategies/base.py` Eagle3TrainStrategy.forward_loss), backward and `BF16Optimizer.step`."""
+    from transformers import LlamaConfig
+
+    from specforge.algorithms.eagle3.model import OnlineEagle3Model
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    from specforge.optimizer import BF16Optimizer
+    from specforge.utils import padding
+
+    config = LlamaConfig(
+        hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads, num_key_value_heads=s.num_key_value_heads,
+        head_dim=s.head_dim, intermediate_size=s.intermediate_size, vocab_size=s.vocab_size, rms_norm_eps=s.rms_norm_eps,
+        max_position_embeddings=s.max_position_embeddings, rope_theta=s.rope_theta, hidden_act="silu",
+        num_hidden_layers=1, pretraining_tp=1, tie_word_embeddings=False,
+    )
+    config.draft_vocab_size = s.draft_vocab_size
+    config.target_hidden_size = s.target_hidden_size
+    config.architectures = ["LlamaForCausalLMEagle3"]
+    if s.num_aux_layers != 3:
+        raise ValueError(f"SpecForge's draft takes 3 aux states; the shape has {s.num_aux_layers}")
+    torch.manual_seed(seed)
+    with torch.device(device):  # its builder: from_config, then .to(device, torch_dtype=bfloat16), embedding frozen
+        draft = LlamaForCausalLMEagle3(config, attention_backend=backend)
+    draft = draft.to(device=device, dtype=torch.bfloat16)
+    draft.t2d.copy_(data.t2d)
+    draft.d2t.copy_(data.d2t)
+    draft.freeze_embedding()
+    model = OnlineEagle3Model(draft_model=draft, length=TTT_STEPS, attention_backend=backend).to(device, torch.bfloat16)
+    model.train()
+    optimizer = BF16Optimizer(draft, lr=1e-4, max_grad_norm=GRAD_CLIP, total_steps=10**6, warmup_ratio=0.015)
+    target_head = torch.nn.Linear(s.target_hidden_size, s.vocab_size, bias=False, device=device, dtype=torch.bfloat16)
+    target_head.weight.requires_grad_(False)
+    target_head.weight.copy_(teacher_weights(s, device, seed)["lm_head"])
+
+    b = data.batch
+    ids, teacher = b.ids, b.teacher.to(torch.bfloat16)
+    hidden = b.aux.to(torch.bfloat16)
+    attention_mask = b.loss_mask.long()
+    loss_mask = b.loss_mask.long()
+    precomputed = None
+    if teacher_mode == "logits":  # online capture delivers the target's logits: no head in the step
+        with torch.no_grad():
+            precomputed = target_head(padding(teacher, left=False))
+
+    def step() -> None:
+        # TargetHead.preprocess (shift by one, mask [B, L, 1]) and TargetHead.forward (fc over the states)
+        input_ids, mask = padding(ids, left=False), loss_mask[..., None]
+        if precomputed is None:
+            with torch.no_grad():
+                target = target_head(padding(teacher, left=False))
+        else:
+            target = precomputed
+        plosses, *_ = model(input_ids=input_ids, attention_mask=attention_mask, target=target, loss_mask=mask,
+                            hidden_states=hidden)
+        loss = sum(STEP_WEIGHT_DECAY**i * p for i, p in enumerate(plosses))
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":  # a benchmark's own bookkeeping; compute.py has no helper for it
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def timed(build: Callable[[], Callable[[], None]], device: torch.device, steps: int, warmup: int) -> float:
+    """Seconds of `steps` steps after `warmup` untimed ones; the models die with this frame (or its traceback)."""
+    step = build()
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    synchronize(device)
+    return time.perf_counter() - started
+
+
+def measure(name: str, seq: int, build: Callable[[], Callable[[], None]], device: torch.device, steps: int,
+            warmup: int, flops: float, peak_tflops: float | None) -> dict[str, Any]:
+    """Times `steps` steps after `warmup` ones; the peak memory covers building, warming up and the timed steps."""
+    row: dict[str, Any] = {"implementation": name, "seq": seq, "tokens_per_step": seq, "flops_per_token": flops}
+    release(device)
+    try:
+        elapsed = timed(build, device, steps, warmup)
+    except Exception as exc:
+        oom = is_out_of_memory(exc)
+        row |= {"status": "out of memory" if oom else "error", "reason": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"}
+        if not oom:
+            traceback.print_exc()
+    else:
+        tps = steps * seq / elapsed
+        row |= {"status": "measured", "step_s": elapsed / steps, "tokens_per_s": tps,
+                "mfu": tps * flops / (peak_tflops * 1e12) if peak_tflops else None}
+    peak = peak_memory_bytes(device)
+    row["peak_allocated_gib"] = None if peak is None else peak / GIB
+    row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB if device.type == "cuda" else None
+    release(device)
+    return row
+
+
+def skipped(name: str, seq: int, reason: str) -> dict[str, Any]:
+    return {"implementation": name, "seq": seq, "status": "skipped", "reason": reason}
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    flex = {r["seq"]: r for r in rows if r["implementation"] == "specforge:flex_attention" and r["status"] == "measured"}
+    for r in rows:
+        if r["implementation"] == PROJECT:
+            other = flex.get(r["seq"])
+            r["ratio_to_specforge_flex"] = (r["tokens_per_s"] / other["tokens_per_s"]
+                                            if other and r["status"] == "measured" else None)
+
+
+def check_targets(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """PASS/FAIL/UNMEASURED: the project at >= 1.0x SpecForge flex_attention's tokens/s at 2048; at 8192 a peak
+    below 80 GiB (an out-of-memory project step fails it)."""
+    project = {r["seq"]: r for r in rows if r["implementation"] == PROJECT}
+    flex = {r["seq"]: r for r in rows if r["implementation"] == "specforge:flex_attention"}
+    ratio: dict[str, Any] = {"target": f">= {RATIO_TARGET}x SpecForge flex_attention tokens/s at seq 2048", "status": "UNMEASURED"}
+    p, f = project.get(2048), flex.get(2048)
+    if p and f and f["status"] == "measured":
+        if p["status"] == "measured":
+            ratio |= {"value": p["ratio_to_specforge_flex"], "status": "PASS" if p["ratio_to_specforge_flex"] >= RATIO_TARGET else "FAIL"}
+        elif p["status"] == "out of memory":
+            ratio["status"] = "FAIL"
+    memory: dict[str, Any] = {"target": f"seq 8192 trains with a peak below {MEMORY_TARGET_GIB:.0f} GiB", "status": "UNMEASURED"}
+    p = project.get(8192)
+    if p and p["status"] == "out of memory":
+        memory["status"] = "FAIL"
+    elif p and p["status"] == "measured" and p["peak_allocated_gib"] is not None:
+        memory |= {"value": p["peak_allocated_gib"], "status": "PASS" if p["peak_allocated_gib"] < MEMORY_TARGET_GIB else "FAIL"}
+    return {"ratio_2048": ratio, "memory_8192": memory}
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def report(result: dict[str, Any], console: Console) -> None:
+    table = Table(title=f"Training step, {result['shape_name']} draft shape, batch 1, TTT {TTT_STEPS}, {result['device_name']}")
+    for column in ("implementation", "seq", "status", "tokens/s", "step ms", "peak GiB", "reserved GiB", "MFU", "x SpecForge flex"):
+        table.add_column(column, justify="left" if column in ("implementation", "status") else "right")
+    for r in result["results"]:
+        table.add_row(r["implementation"], str(r["seq"]), r["status"], fmt(r.get("tokens_per_s"), ",.0f"),
+                      fmt(r["step_s"] * 1e3 if r.get("step_s") else None, ",.1f"), fmt(r.get("peak_allocated_gib"), ".1f"),
+                      fmt(r.get("peak_reserved_gib"), ".1f"), fmt(r.get("mfu"), ".1%"), fmt(r.get("ratio_to_specforge_flex"), ".2f"))
+    console.print(table)
+    reasons = dict.fromkeys(f"{r['implementation']} {r['status']}: {r['reason']}" for r in result["results"] if r.get("reason"))
+    for line in reasons:
+        console.print(line, soft_wrap=True)
+    if result["peak_tflops"]:
+        console.print(f"MFU: model FLOPs per token (DOMAIN.md §8) x tokens/s over an assumed dense bf16 peak of "
+                      f"{result['peak_tflops']:g} TFLOP/s (--peak-tflops; 790 is an H200's).")
+    t = result["targets"]
+    parts = [f"{v['target']}: {v['status']}" + (f" ({v['value']:.2f})" if v.get("value") is not None else "") for v in t.values()]
+    console.print("targets: " + "; ".join(parts), soft_wrap=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="kimi")
+    ap.add_argument("--seqs", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (SpecForge compiles in them)")
+    ap.add_argument("--specforge-backends", nargs="*", default=["flex_attention", "sdpa"], choices=["flex_attention", "sdpa", "fa"])
+    ap.add_argument("--specforge-teacher", choices=["head", "logits"], default="head",
+                    help="head: SpecForge's teacher logits from the same teacher states in the step (the project's work); "
+                         "logits: made once outside the timing, as online capture delivers them")
+    ap.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default="auto", help="the project's train.precision")
+    ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak of the GPU for MFU (790: H200)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            ap.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA device; use --device cpu --shape tiny")
+        torch.cuda.set_device(device)
+    dtype = DTYPES[resolve_precision(args.precision, 1 if device.type == "cuda" else 0)]
+    peak_tflops = args.peak_tflops if device.type == "cuda" else None
+    unavailable = specforge_unavailable(device) if args.specforge_backends else None
+    console = Console(width=None if sys.stdout.isatty() else 200)
+
+    rows = []
+    for seq in args.seqs:
+        s = shape_of(args.shape, seq)
+        flops = flops_per_token(s, seq)
+        data = synthetic(s, seq, device, args.seed)
+        rows.append(measure(PROJECT, seq, lambda: project_step(s, data, device, dtype, args.seed), device,
+                            args.steps, args.warmup, flops, peak_tflops))
+        for backend in args.specforge_backends:
+            name = f"specforge:{backend}"
+            if unavailable:
+                rows.append(skipped(name, seq, unavailable))
+                continue
+            rows.append(measure(name, seq, lambda: specforge_step(s, data, device, backend, args.specforge_teacher, args.seed),
+                                device, args.steps, args.warmup, flops, peak_tflops))
+        del data
+        release(device)
+        console.print(f"seq {seq}: done", style="dim")
+    add_ratios(rows)
+
+    try:
+        specforge_version = metadata.version("specforge")
+    except metadata.PackageNotFoundError:
+        specforge_version = None
+    result = {
+        "benchmark": "scripts/bench_train_gpu.py",
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "transformers": transformers.__version__, "specforge": specforge_version,
+        "shape_name": args.shape, "shape": shape_of(args.shape, max(args.seqs)).as_dict(),
+        "batch_size": 1, "ttt_steps": TTT_STEPS, "step_weight_decay": STEP_WEIGHT_DECAY, "steps": args.steps, "warmup": args.warmup,
+        "precision": {"project": f"{str(dtype).removeprefix('torch.')} autocast over float32 weights and AdamW" if dtype == torch.bfloat16 else str(dtype).removeprefix("torch."),
+                      "specforge": "bfloat16 weights, float32 master weights and AdamW (BF16Optimizer), no FSDP"},
+        "specforge_teacher": args.specforge_teacher,
+        "peak_tflops": peak_tflops, "peak_tflops_assumed": peak_tflops is not None,
+        "results": rows,
+        "targets": check_targets(rows),
+    }
+    report(result, console)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 1 if any(r["status"] == "error" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
