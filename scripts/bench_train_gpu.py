@@ -46,7 +46,7 @@ from rich.table import Table
 from orchestrator.compute import DTYPES, peak_memory_bytes, resolve_precision, synchronize
 from orchestrator.draft.export import build_vocab_map
 from orchestrator.draft.model import DraftShape, Eagle3Draft, default_shape
-from orchestrator.stages.train import Batch, TeacherHead, TrainStep, step_counts
+from orchestrator.stages.train import Batch, TeacherHead, TrainStep, optimizer_step, step_counts
 
 # conf/draft/kimi_k25.yaml over conf/target/kimi_k25.yaml (hidden, vocabulary, rope theta); a test keeps them equal.
 SHAPES = {
@@ -132,12 +132,7 @@ def project_step(s: DraftShape, data: Data, device: torch.device, dtype: torch.d
 
     def step() -> None:
         denominators = step_counts(batch, TTT_STEPS).clamp(min=1)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss, _ = model(head, batch, TTT_STEPS, kept, weights, denominators.to(device))
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
-        optim.step()
+        optimizer_step(model, head, batch, TTT_STEPS, kept, weights, denominators.to(device), optim, params, GRAD_CLIP, bf16)
 
     return step
 

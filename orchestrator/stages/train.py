@@ -283,6 +283,21 @@ class TrainStep(torch.nn.Module):
         return ttt_forward(self.draft, head, batch, steps, kept, weights, denominators=denominators)
 
 
+def optimizer_step(model: torch.nn.Module, head: TeacherHead, batch: Batch, steps: int, kept: torch.Tensor,
+                   weights: list[float], denominators: torch.Tensor, optim: torch.optim.Optimizer,
+                   params: list[torch.nn.Parameter], grad_clip: float, bf16: bool):
+    """One training step of `model` (a `TrainStep`, DDP-wrapped or not): loss under bf16 autocast when asked (the
+    weights and the optimizer stay float32), backward, gradient clipping, the optimizer's update. The train stage
+    and `scripts/bench_train_gpu.py` both run it."""
+    optim.zero_grad(set_to_none=True)  # before the forward: last step's gradients do not sit beside its activations
+    with torch.autocast(batch.ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+        loss, stats = model(head, batch, steps, kept, weights, denominators)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optim.step()
+    return loss, stats
+
+
 def rank_share(indices: list[int], compute: Compute) -> tuple[list[int], bool]:
     """This rank's sequences of a global batch (every N-th), and whether they count: an epoch's short last batch
     can leave a rank none, and that rank then runs a sequence with no loss positions so that DDP's collective
@@ -391,12 +406,8 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         denominators = compute.all_reduce_sum(step_counts(batch, steps)).clamp(min=1) / compute.world_size
         for group in optim.param_groups:
             group["lr"] = lr_at(step, total, tc)
-        with torch.autocast(compute.device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss, stats = model(head, batch, steps, kept, weights, denominators.to(compute.device))
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-        optim.step()
+        loss, stats = optimizer_step(model, head, batch, steps, kept, weights, denominators.to(compute.device), optim,
+                                     params, tc.grad_clip, bf16)
         step += 1
         tokens += int(batch.lengths.sum()) if counts else 0
         bar.update(1)
