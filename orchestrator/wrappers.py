@@ -16,9 +16,10 @@ same code. What a real Kimi-K2.5 checkpoint needs beyond it, none of which the t
   * its routed experts are INT4 (`quantization_config`, compressed-tensors): HF cannot load them into
     `DeepseekV3ForCausalLM` as plain weights, so `load_text_model` refuses a quantized wrapper rather than leave
     those experts randomly initialised; dequantise the checkpoint first, or capture through SGLang;
-  * its size (~2 TB dequantised to bf16): `targets.load_target` spreads it over a task's GPUs (device_map), and
-    the dry run refuses a layout whose GPUs cannot hold it (`preflight.memory_findings`); 16 H200s hold it in
-    bf16, fewer need SGLang's own INT4 kernels (regeneration through the server, `data.regenerate.engine=server`).
+  * its size: ~2 TB dequantised to bf16, more than one 8-GPU node holds (8 x 141 GB on H200s), while
+    `targets.load_target` spreads a target only over one task's GPUs (device_map). The dry run refuses such a
+    layout with the numbers (`preflight.memory_findings`). Serving it INT4 is SGLang's job
+    (`data.regenerate.engine=server` regenerates through it); capturing its states through SGLang is not built.
 """
 
 from __future__ import annotations
