@@ -18,7 +18,7 @@ out="$(mkdir -p "${GPU_CHECK_OUT:-${OUT:-outputs/gpu_check}}" && cd "${GPU_CHECK
 python="${PYTHON:-python3}"
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && python=.venv/bin/python
 
-if compgen -G ".whl/*.whl" >/dev/null; then
+if [ "$mode" = cuda ] && compgen -G ".whl/*.whl" >/dev/null; then  # the GPU machine's missing packages
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
