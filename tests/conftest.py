@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from orchestrator import conf_dir
 from orchestrator.config import RootConfig, load
+from orchestrator.serving import sglang
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
@@ -49,3 +50,14 @@ def outputs(tmp_path_factory) -> Path:
 def tiny_config(outputs):
     """compose(*overrides) -> RootConfig of the FAST tiny experiment in the session's outputs folder."""
     return lambda *overrides, **kw: compose_config(outputs, *overrides, **kw)
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> str:
+    """The python of the separate sglang environment (`SGLANG_PYTHON`, built by scripts/make_sglang_env.sh) for the
+    `sglang` tests, which run sglang's own code in a subprocess; they skip without it. Checked once: each call into
+    that environment imports torch and sglang (~8 s on 2 cores)."""
+    python = os.environ.get("SGLANG_PYTHON")
+    if not python or not sglang.sglang_available(python):
+        pytest.skip("set SGLANG_PYTHON to a python that imports sglang (scripts/make_sglang_env.sh)")
+    return python

@@ -1,15 +1,25 @@
 """The draft's rope (orchestrator/draft/rope.py): computed as Hugging Face computes it, read in both spellings,
-written so that SGLang 0.5.23 reads the target's rope, and checked by the export validator."""
+written so that SGLang 0.5.23 reads the target's rope, and checked by the export validator.
+
+The `sglang` tests (end of file) check it against SGLang 0.5.23's own code: tests/sglang_rope_probe.py runs under
+SGLANG_PYTHON (scripts/make_sglang_env.sh), reads an exported draft config.json with sglang's get_config, builds
+the EAGLE-3 draft's decoder layer and applies its rotary embedding; without SGLANG_PYTHON they skip."""
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from orchestrator import conf_dir
 from orchestrator.draft import export as E
 from orchestrator.draft import rope
 from orchestrator.draft.model import DraftShape, Eagle3Draft, Rope
@@ -77,6 +87,18 @@ def test_kimi_yarn_scales_cos_sin_by_the_mscale_ratio():
     assert scale == pytest.approx((0.1 * 1.0 * torch.log(torch.tensor(64.0)).item() + 1) / (0.1 * 0.707 * torch.log(torch.tensor(64.0)).item() + 1))
     _, plain = rope.rotary(rope.read({"rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096}}), HEAD_DIM)
     assert plain == pytest.approx(0.1 * torch.log(torch.tensor(64.0)).item() + 1)
+
+
+def test_yarn_mscale_zero_follows_sglang_not_transformers():
+    """With mscale 0 and mscale_all_dim set, SGLang 0.5.23 (`YaRNScalingRotaryEmbedding`: both `is not None`) takes the
+    ratio get_mscale(f, 0) / get_mscale(f, mscale_all_dim); transformers (both truthy) takes get_mscale(f). The draft
+    is served by SGLang, so it follows SGLang (checked against SGLang's code in test_draft_rope_equals_sglangs)."""
+    params = KIMI | {"mscale": 0.0, "mscale_all_dim": 1.0}
+    _, scale = rope.rotary(rope.read({"rope_parameters": params}), HEAD_DIM)
+    log64 = torch.log(torch.tensor(64.0)).item()
+    assert scale == pytest.approx(1.0 / (0.1 * log64 + 1))
+    _, hf_scale, _ = hf_rotary(params)
+    assert hf_scale == pytest.approx(0.1 * log64 + 1)
 
 
 @pytest.mark.parametrize("kind", sorted(ROPES))
@@ -191,3 +213,136 @@ def test_validator_refuses_disagreeing_spellings(tmp_path):
     edit_config(folder, lambda c: c.update(rope_theta=10000.0))
     problems = E.validate_draft_dir(folder, LLAMA3_TARGET)
     assert any("disagree with rope_parameters" in p for p in problems), problems
+
+
+# ------------------------------------------------------------------- against sglang's own rotary embedding
+
+PROBE = Path(__file__).with_name("sglang_rope_probe.py")
+# below, at and beyond YaRN's original 4096 (and llama3's 8192), up to Kimi's 262144; each case takes those below
+# its max_position_embeddings (SGLang's cos/sin cache ends there)
+SGLANG_POSITIONS = [0, 1, 7, 100, 1000, 2047, 2048, 4095, 4096, 4097, 5000, 8191, 8192, 20000, 32767, 65536, 131071, 262143]
+KIMI_HEAD_DIM = 128  # Kimi's draft (DOMAIN.md §4)
+
+
+def kimi_target(name: str = "kimi_k25") -> dict:
+    """The target config.json fields the draft export reads, with the rope values of conf/target/NAME.yaml."""
+    t = OmegaConf.load(conf_dir() / "target" / f"{name}.yaml")
+    return {"hidden_size": 32, "vocab_size": 50, "max_position_embeddings": t.max_position_embeddings,
+            "rope_theta": t.rope_theta, "rope_scaling": OmegaConf.to_container(t.rope_scaling)}
+
+
+# YaRN keys that only SGLang reads (transformers has no extrapolation_factor, and its attention_factor replaces the
+# computed scale where SGLang's attn_factor multiplies it) or reads differently (SGLang takes the mscale ratio when
+# both keys are set, 0 included; transformers when both are non-zero): checked against SGLang only.
+SGLANG_ONLY = {
+    "yarn_sglang_keys": KIMI | {"beta_fast": 32.0, "attn_factor": 1.25, "extrapolation_factor": 0.5, "truncate": False},
+    "yarn_mscale_zero": KIMI | {"beta_fast": 32.0, "mscale": 0.0, "mscale_all_dim": 1.0},
+}
+
+
+def sglang_cases() -> dict[str, tuple[dict, int]]:
+    """name -> (target config, head_dim): Kimi-K2.5's YaRN as configured, and the other types the draft supports."""
+    cases = {"kimi_k25": (kimi_target(), KIMI_HEAD_DIM)}
+    for kind, params in (ROPES | SGLANG_ONLY).items():
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        # YaRN's context is factor x original, as in Kimi's config (transformers warns otherwise)
+        context = int(params["factor"] * params["original_max_position_embeddings"]) if kind.startswith("yarn") else 131072
+        target = {"hidden_size": 32, "vocab_size": 50, "max_position_embeddings": context, "rope_theta": params["rope_theta"]}
+        cases[kind] = (target | ({"rope_scaling": scaling} if kind != "default" else {}), HEAD_DIM)
+    return cases
+
+
+def draft_folder(root: Path, name: str, target: dict, head_dim: int, legacy_only: bool = False) -> Path:
+    """A draft directory's config.json as `draft_config` exports it for this target. The widths are small (sglang
+    builds the layer's weights too); the rope depends only on head_dim, the rope keys and max_position_embeddings."""
+    shape = DraftShape(**(SHAPE.as_dict() | {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": head_dim}))
+    conf = E.draft_config(shape, [0, 2, 4], "bfloat16", target, target["max_position_embeddings"])
+    if legacy_only:  # a config with only rope_theta/rope_scaling (older exports, most targets): transformers folds them
+        del conf["rope_parameters"]
+    folder = root / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(conf, indent=2))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sglang_rope(sglang_python, tmp_path_factory):
+    """name -> (draft config, inputs, sglang's outputs, sglang's description of its rotary module)."""
+    root = tmp_path_factory.mktemp("sglang_rope")
+    folders, confs, inputs = {}, {}, {}
+    generator = torch.Generator().manual_seed(0)
+    cases = sglang_cases()
+    for name, (target, head_dim) in cases.items():
+        folders[name] = draft_folder(root, name, target, head_dim)
+    folders["kimi_k25_legacy_keys"] = draft_folder(root, "kimi_k25_legacy_keys", *cases["kimi_k25"], legacy_only=True)
+    for name, folder in folders.items():
+        confs[name] = json.loads((folder / "config.json").read_text())
+        width = confs[name]["head_dim"]
+        positions = [p for p in SGLANG_POSITIONS if p < confs[name]["max_position_embeddings"]]
+        inputs[f"positions.{name}"] = torch.tensor(positions, dtype=torch.int64)
+        inputs[f"q.{name}"] = torch.randn(len(positions), confs[name]["num_attention_heads"] * width, generator=generator)
+        inputs[f"k.{name}"] = torch.randn(len(positions), confs[name]["num_key_value_heads"] * width, generator=generator)
+    save_file(inputs, str(root / "in.safetensors"))
+    request = {"cases": {n: str(f) for n, f in folders.items()}, "inputs": str(root / "in.safetensors"),
+               "output": str(root / "out.safetensors")}
+    (root / "request.json").write_text(json.dumps(request))
+    done = subprocess.run([sglang_python, str(PROBE), str(root / "request.json")], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        pytest.fail(f"{PROBE.name} failed under {sglang_python} (an environment built before the rope check lacks "
+                    f"packages: rebuild it with scripts/make_sglang_env.sh):\n{done.stderr[-3000:]}")
+    with safe_open(str(root / "out.safetensors"), "pt") as f:
+        meta = {n: json.loads(v) for n, v in f.metadata().items()}
+    outputs = load_file(str(root / "out.safetensors"))
+    return {n: (confs[n], inputs, outputs, meta[n]) for n in folders}
+
+
+SGLANG_CLASSES = {"default": "RotaryEmbedding", "linear": "LinearScalingRotaryEmbedding",
+                  "llama3": "Llama3RotaryEmbedding", "yarn": "YaRNScalingRotaryEmbedding"}
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("name", ["kimi_k25", "kimi_k25_legacy_keys", *sorted(ROPES), *sorted(SGLANG_ONLY)])
+def test_draft_rope_equals_sglangs(name, sglang_rope):
+    """The rope the draft trains with (read back from the exported config.json, as a reloaded draft does) applied
+    to the same q/k at the same positions as SGLang 0.5.23's own rotary embedding, built by its EAGLE-3 draft layer
+    from that config.json (tests/sglang_rope_probe.py)."""
+    conf, inputs, outputs, meta = sglang_rope[name]
+    spec = E.shape_from_config(conf).rope
+    assert spec == rope.read(conf)
+    assert meta["class"] == SGLANG_CLASSES[spec.type], meta
+    assert meta["base"] == spec.theta and meta["rotary_dim"] == meta["head_size"] == conf["head_dim"]
+    if spec.type == "yarn":
+        assert meta["scaling_factor"] == spec.param("factor")
+        assert meta["max_position_embeddings"] == spec.param("original_max_position_embeddings")
+    module = Rope(conf["head_dim"], spec)
+    if meta["mscale"] is not None:
+        assert module.scale == pytest.approx(meta["mscale"], abs=1e-7)
+
+    positions = inputs[f"positions.{name}"]
+    assert positions.max() >= 2 * (spec.param("original_max_position_embeddings") or 4096)  # well beyond the original context
+    half = conf["head_dim"] // 2
+    cos, sin = module.cos_sin(positions)
+    cache = outputs[f"cache.{name}"]  # sglang's [cos * mscale | sin * mscale] rows
+    torch.testing.assert_close(cos[:, :half], cache[:, :half], rtol=0, atol=1e-5)
+    torch.testing.assert_close(sin[:, :half], cache[:, half:], rtol=0, atol=1e-5)
+    for x in ("q", "k"):
+        flat = inputs[f"{x}.{name}"]
+        heads = flat.view(len(positions), -1, conf["head_dim"]).transpose(0, 1)[None]  # [1, heads, T, D]
+        ours = module(heads, positions[None])[0].transpose(0, 1).reshape(flat.shape)
+        torch.testing.assert_close(ours, outputs[f"{x}.{name}"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.sglang
+def test_sglang_reads_kimis_exported_rope(sglang_rope):
+    """SGLang 0.5.23 reads the Kimi draft's config.json (both spellings, or the legacy keys alone) as Kimi's YaRN."""
+    kimi = kimi_target()
+    for name in ("kimi_k25", "kimi_k25_legacy_keys"):
+        conf, _, _, meta = sglang_rope[name]
+        assert meta["class"] == "YaRNScalingRotaryEmbedding" and meta["base"] == kimi["rope_theta"] == 50000.0
+        assert meta["scaling_factor"] == kimi["rope_scaling"]["factor"] == 64.0
+        assert meta["max_position_embeddings"] == kimi["rope_scaling"]["original_max_position_embeddings"] == 4096
+        assert meta["cache_rows"] >= conf["max_position_embeddings"] == 262144
+        assert meta["cache_dtype"] == "torch.float32"
+        parameters = meta["rope_parameters"]
+        for key, value in kimi["rope_scaling"].items():
+            assert parameters[key] == value, (key, parameters)

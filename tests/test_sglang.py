@@ -9,7 +9,6 @@ python that imports sglang (scripts/make_sglang_env.sh builds one).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -278,15 +277,6 @@ def test_python_without_sglang(tmp_path):
         pytest.skip("this environment imports sglang")
     with pytest.raises(ServingRefused, match="cannot import sglang.srt.server_args.*make_sglang_env.sh"):
         sglang.validate_with_sglang(python, [python, "-m", "sglang.launch_server", "--model-path", "/t"])
-
-
-@pytest.fixture(scope="module")
-def sglang_python() -> str:
-    # Each call into the serving environment imports torch and sglang (~8 s on 2 cores): check once.
-    python = os.environ.get("SGLANG_PYTHON")
-    if not python or not sglang.sglang_available(python):
-        pytest.skip("set SGLANG_PYTHON to a python that imports sglang (scripts/make_sglang_env.sh)")
-    return python
 
 
 @pytest.mark.sglang

@@ -170,7 +170,9 @@ def _yarn(spec: RopeSpec, dim: int) -> tuple[torch.Tensor, float]:
     extrapolation_mask = (1 - ramp) * spec.param("extrapolation_factor")
     inv_freq = interpolation * (1 - extrapolation_mask) + extrapolation * extrapolation_mask
     mscale, mscale_all_dim = spec.param("mscale"), spec.param("mscale_all_dim")
-    if mscale and mscale_all_dim:
+    # SGLang's test: both set, 0 included (transformers takes the ratio only when both are non-zero, so with a 0 the
+    # two differ: mscale 0 gives 1/(0.1 ln factor + 1) here and in SGLang, 0.1 ln factor + 1 in transformers)
+    if mscale is not None and mscale_all_dim is not None:
         scale = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
     else:
         scale = yarn_get_mscale(factor)
