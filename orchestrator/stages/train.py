@@ -20,6 +20,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from orchestrator import layers as layer_contract
+from orchestrator import pruning
 from orchestrator.artifacts import ArtifactError, atomic_path, file_sha256, write_json, write_manifest
 from orchestrator.config import RootConfig
 from orchestrator.draft import export as draft_export
@@ -305,6 +306,7 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
         step, history = state["step"], state["history"]
         print(f"[train] resumed from {ckpt_path} at step {step}/{total}")
     draft_steps = cfg.serve.num_steps
+    report_to_search = pruning.reporter(plan)  # a layer search's pruner may stop the trial here; else a no-op
 
     def save_checkpoint() -> None:
         with atomic_path(ckpt_path) as tmp:
@@ -336,6 +338,7 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
             val = evaluate(draft, head, val_seqs, steps, kept, weights, tc.batch_size, draft_steps)
             history.append({"step": step} | val)
             tracker.train_validation(step, val)
+            report_to_search(step, val)
         if step % tc.checkpoint_every == 0 or step == total:
             save_checkpoint()
     bar.close()
