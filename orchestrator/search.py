@@ -377,6 +377,12 @@ class Study:
 
         point = suggest(trial, self.space)
         trial.set_user_attr("aux_layers", point)
+        done = next((t for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+                     if t.user_attrs.get("aux_layers") == point), None)
+        if done is not None:  # a sampler re-proposes points of a discrete space: the value is known, no job runs
+            trial.set_user_attr("duplicate_of", done.number)
+            print(f"[search] trial {trial.number}: aux_layers={point} as trial {done.number}: {done.value:.4f}, no job")
+            return done.value
         try:
             cfg = point_config(self.experiment, point, self.space.union)
             bad = preflight.failures(preflight.config_findings(cfg))
@@ -426,6 +432,7 @@ def trial_rows(study) -> list[dict[str, Any]]:
         {"number": t.number, "aux_layers": t.user_attrs.get("aux_layers"), "state": t.state.name.lower(),
          "value": t.value, "baseline": bool(t.user_attrs.get("baseline")),
          "rejected": t.user_attrs.get("rejected"), "retry_of": t.user_attrs.get("retry_of"),
+         "duplicate_of": t.user_attrs.get("duplicate_of"),
          "pruned_at_step": max(t.intermediate_values) if t.state.name == "PRUNED" and t.intermediate_values else None,
          "seconds": (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete and t.datetime_start else None}
         for t in study.get_trials(deepcopy=False)
@@ -524,6 +531,7 @@ def print_result(summary: dict[str, Any]) -> None:
     for r in summary["trials"]:
         value = "" if r["value"] is None else f"{r['value']:.4f}"
         state = r["state"] + (" (baseline)" if r["baseline"] else "") + (f" at step {r['pruned_at_step']}" if r["pruned_at_step"] else "")
+        state += f" (= trial {r['duplicate_of']}, no job)" if r["duplicate_of"] is not None else ""
         table.add_row(str(r["number"]), str(r["aux_layers"]), state, value, "" if r["seconds"] is None else f"{r['seconds']:.0f}")
     Console(width=200).print(table)
     best, baseline = summary["best"], summary["baseline"]

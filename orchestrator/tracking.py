@@ -430,6 +430,7 @@ def search_note(summary: Mapping[str, Any]) -> str:
     for r in rows:
         layers = layers_label(r["aux_layers"]) if r["aux_layers"] else "-"
         state = r["state"] + (" (baseline)" if r["baseline"] else "")
+        state += f" (= trial {r['duplicate_of']})" if r.get("duplicate_of") is not None else ""
         value = "" if r["value"] is None else f"{r['value']:.4f}"
         lines.append(f"| {r['number']} | {layers} | {state} | {value} |")
     return "\n".join(lines) + "\n"
