@@ -334,6 +334,9 @@ class Study:
         interrupted = recover_interrupted(self.study)
         if interrupted:
             print(f"[search] resuming {self.search.study_name!r}: trials {interrupted} of a killed driver run again")
+        for number in interrupted:  # their pipeline runs were left RUNNING by the killed driver
+            child = tracking.child_run_id(self.uri, self.parent, self.folder / "trials" / f"{number:04d}")
+            tracking.trial_ended(self.uri, child, number, "interrupted")
         if not self.study.trials and self.search.baseline:
             baseline = list(self.experiment["aux_layers"])
             if tuple(baseline) not in self.space.points:

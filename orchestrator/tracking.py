@@ -379,8 +379,9 @@ def child_run_id(uri: str, parent_run_id: str, run_dir: Path) -> str | None:
 
 def trial_ended(uri: str, run_id: str | None, number: int, state: str, objective: str | None = None,
                 value: float | None = None, pruned_at_step: int | None = None) -> None:
-    """A trial's child run: its state (complete, pruned, failed) as a tag, its value as `search/objective`; a
-    pruned trial's run ends KILLED (MLflow has no pruned status), a failed one stays FAILED."""
+    """A trial's child run: its state (complete, pruned, failed, interrupted) as a tag, its value as
+    `search/objective`; a pruned trial's run ends KILLED (MLflow has no pruned status), as does one whose driver
+    was killed (its point runs again in a new trial); a failed one stays FAILED."""
     if run_id is None:
         return
     tracker = Tracker(uri, run_id)
@@ -392,7 +393,7 @@ def trial_ended(uri: str, run_id: str | None, number: int, state: str, objective
     tracker.tags(tags)
     if value is not None:
         tracker.metrics({SEARCH_OBJECTIVE: value})
-    if state == "pruned":
+    if state in ("pruned", "interrupted"):
         tracker.finish("KILLED")
 
 
