@@ -290,7 +290,7 @@ def recover_interrupted(study) -> list[int]:
 
     left = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
     for t in left:
-        study.tell(t.number, optuna.trial.TrialState.FAIL)
+        study.tell(t.number, state=optuna.trial.TrialState.FAIL)
         study.enqueue_trial(t.params, user_attrs={"retry_of": t.number}, skip_if_exists=False)
     return [t.number for t in left]
 
@@ -370,7 +370,8 @@ class Study:
         if make_plan(cfg, run_dir).stages[0]["cached"]:
             return
         print(f"[search] extracting the union {self.space.union} once for every trial")
-        run_pipeline(cfg, run_dir, sweep_dir=self.folder)
+        summary = run_pipeline(cfg, run_dir, sweep_dir=self.folder)
+        tracking.union_extracted(self.uri, summary["mlflow_run_id"], self.space.union)
 
     def trial(self, trial) -> float:
         """One trial: its point, validated, as one pipeline run whose value the study maximises."""

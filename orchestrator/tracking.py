@@ -368,6 +368,13 @@ def search_started(uri: str, parent_run_id: str, study_name: str, storage: str, 
                   "search.union": json.dumps(list(union))})
 
 
+def union_extracted(uri: str, run_id: str, union: Sequence[int]) -> None:
+    """The study's extraction run, named for what it extracted (not its nominal point) and marked as no trial."""
+    tracker = Tracker(uri, run_id)
+    tracker.rename(f"union extraction {layers_label(union)}")
+    tracker.tags({"search.role": "union extraction", "search.union": json.dumps(list(union))})
+
+
 def child_run_id(uri: str, parent_run_id: str, run_dir: Path) -> str | None:
     """The pipeline run of a sweep or search point, found by its parent and run folder (a failed pipeline
     returns no summary to read it from)."""
