@@ -170,6 +170,9 @@ def test_study_resumes_after_a_killed_driver(outputs, tmp_path):
     assert json.loads((outputs / "search" / name / "mlflow_parent_run.json").read_text())["run_id"] == parent
     summary = json.loads((outputs / "search" / name / "search.json").read_text())
     assert summary["mlflow_parent_run_id"] == parent and summary["best"]["value"] == max(t.value for t in finished)
+    uri = search.tracking.tracking_uri(None, outputs)
+    left = MlflowClient(uri).get_run(search.tracking.child_run_id(uri, parent, outputs / "search" / name / "trials" / "0000"))
+    assert left.info.status == "KILLED" and left.data.tags["search.trial_state"] == "interrupted"
 
 
 def test_pruned_trials_and_parent_run(outputs):
@@ -215,3 +218,19 @@ def test_pruned_trials_and_parent_run(outputs):
     png = Path(client.download_artifacts(parent_id, "objective_by_layers.png", str(folder / "dl")))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     assert "| 0 | L1-4-6 | complete (baseline) |" in parent.data.tags["mlflow.note.content"]
+
+
+@pytest.mark.slow
+def test_demo_search_finds_at_least_the_baseline(tmp_path):
+    """The README's layer-search demo as a user runs it (minutes on 2 cores: outside the default suite): within
+    its trials, a point the sampler proposed (not the enqueued baseline) does at least as well as the
+    experiment's own aux_layers."""
+    env = os.environ | {"EAGLE_ORCH_OUTPUTS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "+experiment=tiny_layer_search"], env=env,
+                          capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(next((tmp_path / "search").glob("*/search.json")).read_text())
+    base = summary["baseline"]
+    assert base["aux_layers"] == [1, 4, 6] and len(summary["trials"]) >= 10
+    sampled = [t for t in summary["trials"] if t["state"] == "complete" and t["aux_layers"] != base["aux_layers"]]
+    assert max(t["value"] for t in sampled) >= base["value"], summary["trials"]
