@@ -5,7 +5,8 @@ run in another process or on another machine, calls the reporter `reporter(plan)
 validation: the reporter opens the study in its storage, reports the validation metric as the trial's
 intermediate value at that training step and asks the study's pruner whether to go on. When the pruner says
 stop, it writes `pruned.json` into the trial's run folder (the driver reads it to record the trial as pruned)
-and raises `TrialPruned`. Outside a search the reporter does nothing.
+and returns the reason; training then raises `TrialPruned` (on every rank, when the decision of one is shared).
+Outside a search the reporter does nothing and returns None.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class SearchTrial:
     pruner: dict[str, Any]
 
 
-def reporter(plan) -> Callable[[int, Mapping[str, Any]], None]:
-    """`report(step, val)` for the train stage: a no-op unless the plan belongs to a search trial."""
+def reporter(plan) -> Callable[[int, Mapping[str, Any]], str | None]:
+    """`report(step, val)` for the train stage: the reason to stop when the study's pruner stops the trial, else
+    None; a no-op returning None unless the plan belongs to a search trial."""
     trial_spec = getattr(plan, "search_trial", None)
     if not trial_spec:
         return lambda step, val: None
@@ -49,7 +51,7 @@ def reporter(plan) -> Callable[[int, Mapping[str, Any]], None]:
     trial = optuna.trial.Trial(study, spec.trial_id)
     record = Path(plan.run_dir) / PRUNED_RECORD
 
-    def report(step: int, val: Mapping[str, Any]) -> None:
+    def report(step: int, val: Mapping[str, Any]) -> str | None:
         if spec.metric not in val:
             raise KeyError(f"search.prune_metric={spec.metric!r}: training's validation reports {sorted(val)}")
         value = float(val[spec.metric])
@@ -57,11 +59,12 @@ def reporter(plan) -> Callable[[int, Mapping[str, Any]], None]:
             trial.report(value, step)
         except RuntimeError as exc:  # the trial was finished meanwhile (its driver was killed and a new one failed it)
             print(f"[search] trial {spec.trial_number}: not reported ({exc}); training goes on unpruned", flush=True)
-            return
+            return None
         if trial.should_prune():
             reason = (f"trial {spec.trial_number} pruned at training step {step}: validation {spec.metric}={value:.4f} "
                       f"({type(study.pruner).__name__})")
             record.write_text(json.dumps({"step": step, "metric": spec.metric, "value": value, "reason": reason}))
-            raise TrialPruned(reason)
+            return reason
+        return None
 
     return report

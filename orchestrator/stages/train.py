@@ -338,7 +338,8 @@ def run(cfg: RootConfig, plan, tracker) -> dict[str, Any]:
             val = evaluate(draft, head, val_seqs, steps, kept, weights, tc.batch_size, draft_steps)
             history.append({"step": step} | val)
             tracker.train_validation(step, val)
-            report_to_search(step, val)
+            if pruned := report_to_search(step, val):
+                raise pruning.TrialPruned(pruned)
         if step % tc.checkpoint_every == 0 or step == total:
             save_checkpoint()
     bar.close()
