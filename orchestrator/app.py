@@ -15,6 +15,10 @@ from orchestrator.config import ConfigError, load
 
 
 def main(cfg: DictConfig) -> None:
+    if "search" in cfg:  # +search=<space>: an Optuna study over aux_layers (orchestrator/search.py)
+        from orchestrator.search import main as search_main
+
+        sys.exit(search_main(cfg))
     try:
         root = load(cfg)
     except ConfigError as exc:

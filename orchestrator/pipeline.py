@@ -32,6 +32,8 @@ class Plan:
     stage_keys: dict[str, str]
     tracking_uri: str
     stages: list[dict[str, Any]] = field(default_factory=list)
+    # Set by a layer search: where the trial's training reports to the study's pruner (orchestrator/pruning.py).
+    search_trial: dict[str, Any] | None = None
 
     def dir(self, stage: str) -> Path:
         return Path(self.stage_dirs[stage])
@@ -227,11 +229,12 @@ def write_run_files(cfg: RootConfig, plan: Plan) -> None:
     write_json(run_dir / "plan.json", asdict(plan))
 
 
-def run_pipeline(cfg: RootConfig, run_dir: Path, sweep_dir: Path | None = None) -> dict[str, Any]:
+def run_pipeline(cfg: RootConfig, run_dir: Path, sweep_dir: Path | None = None, search_trial: dict[str, Any] | None = None) -> dict[str, Any]:
     """Submits the configured stage prefix as a chain of jobs. Local and debug runs block and return the
     summary (also in `<run_dir>/summary.json`); Slurm runs return once the chain is queued, unless
-    `cluster.wait=true`."""
+    `cluster.wait=true`. `search_trial`: the layer-search trial this run is (`orchestrator.pruning.SearchTrial`)."""
     plan = make_plan(cfg, run_dir)
+    plan.search_trial = search_trial
     if cfg.check:
         findings = preflight.run_checks(cfg, plan, cfg.check_draft)
         preflight.print_report(findings)

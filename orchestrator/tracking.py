@@ -358,3 +358,94 @@ def run_note(summary: Mapping[str, Any]) -> str:
     table = "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
     details = "".join(f"\n- {f}" for f in flags)
     return f"{table}\n{details}".rstrip() + "\n"
+
+
+# ---- Layer search: one parent run per study, one child run per trial ------------------------------------------
+
+SEARCH_OBJECTIVE = "search/objective"
+
+
+def search_started(uri: str, parent_run_id: str, study_name: str, storage: str, folder: Path, objective: str,
+                   slots: Sequence[Sequence[int]], union: Sequence[int]) -> None:
+    """The study's parent run, (re)opened: named by the study, with where it lives and what it searches."""
+    tracker = Tracker(uri, parent_run_id)
+    tracker.client.update_run(parent_run_id, status="RUNNING", name=f"{study_name} · layer search")
+    tracker.tags({"search.study_name": study_name, "search.storage": storage, "search.folder": str(folder),
+                  "search.objective": objective, "search.slots": json.dumps([list(s) for s in slots]),
+                  "search.union": json.dumps(list(union))})
+
+
+def union_extracted(uri: str, run_id: str, union: Sequence[int]) -> None:
+    """The study's extraction run, named for what it extracted (not its nominal point) and marked as no trial."""
+    tracker = Tracker(uri, run_id)
+    tracker.rename(f"union extraction {layers_label(union)}")
+    tracker.tags({"search.role": "union extraction", "search.union": json.dumps(list(union))})
+
+
+def child_run_id(uri: str, parent_run_id: str, run_dir: Path) -> str | None:
+    """The pipeline run of a sweep or search point, found by its parent and run folder (a failed pipeline
+    returns no summary to read it from)."""
+    client = MlflowClient(tracking_uri=uri)
+    experiment_id = client.get_run(parent_run_id).info.experiment_id
+    runs = client.search_runs([experiment_id], f"tags.`mlflow.parentRunId` = '{parent_run_id}'", max_results=10000)
+    return next((r.info.run_id for r in runs if r.data.tags.get("run_dir") == str(Path(run_dir).resolve())), None)
+
+
+def trial_ended(uri: str, run_id: str | None, number: int, state: str, objective: str | None = None,
+                value: float | None = None, pruned_at_step: int | None = None) -> None:
+    """A trial's child run: its state (complete, pruned, failed, interrupted) as a tag, its value as
+    `search/objective`; a pruned trial's run ends KILLED (MLflow has no pruned status), as does one whose driver
+    was killed (its point runs again in a new trial); a failed one stays FAILED."""
+    if run_id is None:
+        return
+    tracker = Tracker(uri, run_id)
+    tags = {"search.trial": number, "search.trial_state": state}
+    if objective:
+        tags["search.objective"] = objective
+    if pruned_at_step is not None:
+        tags["search.pruned_at_step"] = pruned_at_step
+    tracker.tags(tags)
+    if value is not None:
+        tracker.metrics({SEARCH_OBJECTIVE: value})
+    if state in ("pruned", "interrupted"):
+        tracker.finish("KILLED")
+
+
+def search_progress(uri: str, parent_run_id: str, summary: Mapping[str, Any], plot: Path, finished: bool) -> None:
+    """The study so far on its parent: the best point as a tag, the best value per finished trial as a metric,
+    the trials' table as its note, the plot and search.json as artifacts; closed when `finished`."""
+    tracker = Tracker(uri, parent_run_id)
+    rows, best, baseline = summary["trials"], summary["best"], summary["baseline"]
+    counts = {state: sum(r["state"] == state for r in rows) for state in ("complete", "pruned", "fail")}
+    tags: dict[str, Any] = {f"search.trials_{k}": v for k, v in counts.items()}
+    if best:
+        tags |= {"search.best_aux_layers": json.dumps(best["aux_layers"]), "search.best_trial": best["number"]}
+        tracker.metrics({"search/best_objective": best["value"]}, step=max(r["number"] for r in rows))
+    if baseline:
+        tracker.metrics({"search/baseline_objective": baseline["value"]})
+    tracker.tags(tags)
+    tracker.note(search_note(summary))
+    tracker.artifact(plot)
+    if finished:
+        tracker.artifact(plot.parent / "search.json")
+        tracker.finish()
+
+
+def search_note(summary: Mapping[str, Any]) -> str:
+    """The parent run's description: the best point, the baseline and every trial, best first."""
+    name = summary["objective"]
+    rows = sorted(summary["trials"], key=lambda r: (r["value"] is None, -(r["value"] or 0.0), r["number"]))
+    lines = [f"### layer search `{summary['study_name']}`: {name}, maximised", ""]
+    if summary["best"]:
+        lines.append(f"best: **{layers_label(summary['best']['aux_layers'])}** = {summary['best']['value']:.4f}"
+                     f" (trial {summary['best']['number']})")
+    if summary["baseline"]:
+        lines.append(f"; baseline {layers_label(summary['baseline']['aux_layers'])} = {summary['baseline']['value']:.4f}")
+    lines += ["", f"| trial | layers | state | {name} |", "|---|---|---|---|"]
+    for r in rows:
+        layers = layers_label(r["aux_layers"]) if r["aux_layers"] else "-"
+        state = r["state"] + (" (baseline)" if r["baseline"] else "")
+        state += f" (= trial {r['duplicate_of']})" if r.get("duplicate_of") is not None else ""
+        value = "" if r["value"] is None else f"{r['value']:.4f}"
+        lines.append(f"| {r['number']} | {layers} | {state} | {value} |")
+    return "\n".join(lines) + "\n"

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from orchestrator import layers as layer_contract
+from orchestrator import pruning
 from orchestrator.artifacts import ArtifactError, atomic_path, file_sha256, write_json, write_manifest
 from orchestrator.compute import Compute
 from orchestrator.config import RootConfig
@@ -377,6 +378,8 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[compute.device] if compute.device.type == "cuda" else None, broadcast_buffers=False
         )
+    # a layer search's pruner may stop the trial (asked by rank 0 alone, its answer shared); else a no-op
+    report_to_search = pruning.reporter(plan) if compute.is_main else (lambda _step, _val: None)
 
     def save_checkpoint() -> None:
         if compute.is_main:
@@ -428,6 +431,9 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             history.append({"step": step} | val)
             if compute.is_main:
                 tracker.train_validation(step, val)
+            pruned = report_to_search(step, val)
+            if compute.all_reduce_max(torch.tensor([float(pruned is not None)]))[0]:
+                raise pruning.TrialPruned(pruned or "pruned by the study (rank 0's decision)")
         if step % tc.checkpoint_every == 0 or step == total:
             save_checkpoint()
     bar.close()

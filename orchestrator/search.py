@@ -1,0 +1,546 @@
+"""Layer search: an Optuna study over `aux_layers`, one shared extraction, pruning, one MLflow parent per study.
+
+`python -m orchestrator +experiment=X +search=<space>` composes the experiment as any run does, then drives the
+study here (`main`). The space (`conf/search/*.yaml`) is one inclusive layer range per aux slot; a point takes one
+layer per slot, ascending and distinct. Before any job, `build_space` enumerates the points and keeps those the
+serving engine can capture (the layer contract, `orchestrator/layers.py`); the sampler only ever proposes those,
+and every proposed point passes the pipeline's own validation and preflight before its jobs start.
+
+Every trial trains on its subset of one extraction of the union of the candidate layers
+(`extract.extra_layers`), which the driver runs once before the trials. A trial is one pipeline run (a child
+MLflow run of the study's parent); its training reports validation to the study's pruner
+(`orchestrator/pruning.py`). Its value is eval's expected accept length, or serve's speedup when the serve stage
+runs; the study maximises it. The study lives in an Optuna storage (sqlite under `<outputs>/search/<study>/`):
+running the same command again after the driver was killed continues it, and runs again the trials the killed
+driver left unfinished.
+
+Why not the hydra-optuna-sweeper plugin: its last release pins optuna<3 (2.10.1), whose sqlite storage fails
+under the SQLAlchemy 2 that MLflow needs (an AssertionError in its schema check), so a study cannot be resumed;
+and a Hydra sweeper hands the task function no trial, so training cannot report to a pruner. Optuna is driven
+here directly, on the config Hydra composed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from orchestrator import layers as layer_contract
+from orchestrator import preflight, pruning, runner, tracking
+from orchestrator.artifacts import stable_hash, write_json
+from orchestrator.config import ConfigError, RootConfig, extract_storage, load
+
+PRUNE_METRICS = ("expected_accept_length", "acc_<k>", "full_acc_<k>")
+
+
+@dataclass
+class SearchConfig:
+    """The `search` node (`conf/search/*.yaml`); values only in YAML, like every schema in `config.py`."""
+
+    slots: list[list[int]] = MISSING
+    candidates: Optional[list[int]] = MISSING
+    n_trials: int = MISSING
+    n_jobs: int = MISSING
+    study_name: str = MISSING
+    storage: Optional[str] = MISSING
+    baseline: bool = MISSING
+    prune_metric: str = MISSING
+    sampler: dict[str, Any] = MISSING
+    pruner: dict[str, Any] = MISSING
+
+
+class SearchError(ConfigError):
+    """A search that cannot run as configured; raised before any job, naming the key."""
+
+
+@dataclass
+class Space:
+    """The points a search may propose: per slot, the layers it may take (ascending); every valid point; and
+    their union, which one extraction captures for all trials."""
+
+    slots: list[list[int]]
+    points: list[tuple[int, ...]]
+    union: list[int]
+
+    def allowed(self, prefix: tuple[int, ...]) -> list[int]:
+        """The layers the next slot may take after `prefix`, such that a valid point still follows."""
+        i = len(prefix)
+        return sorted({p[i] for p in self.points if p[:i] == prefix})
+
+
+# ---- configuration -------------------------------------------------------------------------------------------
+
+
+def split(cfg: DictConfig) -> tuple[SearchConfig, dict[str, Any]]:
+    """The search node, typed and resolved against the whole config, and the rest: the experiment as a plain
+    container (interpolations kept, so `${aux_layers}` follows each trial's point)."""
+    try:
+        node = OmegaConf.to_container(cfg.search, resolve=True)
+        search: SearchConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SearchConfig), node))
+    except MissingMandatoryValue as exc:
+        raise SearchError(f"config key 'search.{exc.full_key}' has no value: set it in conf/search/ or as an override") from None
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        raise SearchError(f"config key 'search.{key}': {str(exc).splitlines()[0]}" if key else f"search: {exc}") from None
+    rest = OmegaConf.to_container(cfg, resolve=False)
+    rest.pop("search")
+    rest.pop("hydra", None)
+    return search, rest
+
+
+def point_config(experiment: dict[str, Any], point: list[int], union: list[int]) -> RootConfig:
+    """The experiment at one point, extracting the search's union, validated as any run is (`config.load`)."""
+    raw = copy.deepcopy(experiment)
+    raw["aux_layers"] = list(point)
+    raw["extract"]["extra_layers"] = list(union)
+    raw["cluster"]["wait"] = True  # a trial's value is its result: the driver waits for a Slurm chain too
+    return load(raw)
+
+
+def check(search: SearchConfig, base: RootConfig) -> None:
+    """What the search needs beyond a valid experiment, each failing with the key, the value and the fix."""
+    n = base.target.num_hidden_layers
+    k = base.draft.num_aux_layers
+    if len(search.slots) != k:
+        raise SearchError(f"search.slots has {len(search.slots)} ranges: the draft takes draft.num_aux_layers={k} "
+                          f"states, so give {k} ranges [low, high], one per aux layer")
+    for i, slot in enumerate(search.slots):
+        if len(slot) != 2 or slot[0] > slot[1]:
+            raise SearchError(f"search.slots[{i}]={slot}: expected an inclusive range [low, high] with low <= high")
+        if not (layer_contract.EMBEDDING <= slot[0] and slot[1] <= n - 1):
+            raise SearchError(f"search.slots[{i}]={slot}: outside the target's layers -1 (embedding) .. {n - 1}")
+    if search.candidates is not None:
+        try:
+            layer_contract.validate_canonical(search.candidates, n, key="search.candidates")
+        except layer_contract.LayerContractError as exc:
+            raise SearchError(str(exc)) from None
+    if search.n_trials < 1 or search.n_jobs < 1:
+        raise SearchError(f"search.n_trials={search.n_trials}, search.n_jobs={search.n_jobs}: expected >= 1 each")
+    if base.cluster.kind == "debug" and search.n_jobs > 1:
+        raise SearchError(f"search.n_jobs={search.n_jobs} with cluster=debug: debug jobs run in this process one at a "
+                          "time; use cluster=local or cluster=slurm for trials in parallel, or search.n_jobs=1")
+    if "eval" not in base.stages:
+        raise SearchError(f"stages={base.stages}: a trial's value is eval's expected accept length (or serve's "
+                          "speedup), so the search needs stages [extract, train, eval] or all four")
+    metric = search.prune_metric
+    position = metric.rsplit("_", 1)[-1]
+    positional = metric.startswith(("acc_", "full_acc_")) and position.isdigit() and int(position) < base.train.ttt_steps
+    if metric != "expected_accept_length" and not positional:
+        raise SearchError(f"search.prune_metric={metric!r}: expected one of {PRUNE_METRICS} (k < train.ttt_steps="
+                          f"{base.train.ttt_steps}), a validation value training reports and the study maximises")
+
+
+def build_space(search: SearchConfig, base: RootConfig) -> Space:
+    """Every ascending, distinct point of the slots' ranges that the serving engine can capture."""
+    check(search, base)
+    t, s = base.target, base.serve
+    ranges = [[k for k in range(lo, hi + 1) if search.candidates is None or k in search.candidates] for lo, hi in search.slots]
+    points, why_not = [], {}
+    for point in _ascending(ranges):
+        try:
+            layer_contract.to_engine_ids(s.engine, point, t.num_hidden_layers, t.family, s.sglang_version)
+            points.append(point)
+        except layer_contract.LayerContractError as exc:
+            why_not.setdefault(str(exc).split(":")[0], str(exc))
+    if not points:
+        reasons = " | ".join(list(why_not.values())[:2]) or "no ascending, distinct point in the ranges"
+        raise SearchError(f"search.slots={search.slots} (search.candidates={search.candidates}): no point the serving "
+                          f"engine ({s.engine}, family {t.family}) can capture: {reasons}")
+    slots = [sorted({p[i] for p in points}) for i in range(len(ranges))]
+    return Space(slots, points, sorted({k for p in points for k in p}))
+
+
+def _ascending(ranges: list[list[int]], prefix: tuple[int, ...] = ()) -> Iterator[tuple[int, ...]]:
+    if len(prefix) == len(ranges):
+        yield prefix
+        return
+    for k in ranges[len(prefix)]:
+        if not prefix or k > prefix[-1]:
+            yield from _ascending(ranges, prefix + (k,))
+
+
+def union_storage(search: SearchConfig, experiment: dict[str, Any], space: Space) -> tuple[RootConfig, dict[str, Any]]:
+    """The config that extracts the union (at the baseline point when the space holds it, else at its first
+    point) and what that writes; a SearchError proposing a smaller candidate set when it exceeds extract.max_bytes."""
+    baseline = tuple(experiment["aux_layers"])
+    cfg = point_config(experiment, list(baseline if baseline in space.points else space.points[0]), space.union)
+    storage = extract_storage(cfg)
+    if storage["max_bytes"] <= storage["limit_bytes"]:
+        return cfg, storage
+    state_bytes = (storage["bytes_per_token"] - 5) // storage["states_per_token"]  # one hidden state of one token
+    fits = int((storage["limit_bytes"] / storage["max_tokens"] - 5) // state_bytes) - 1  # the teacher state is one
+    proposal = smaller_candidates(search, cfg, space, fits)
+    raise SearchError(
+        f"the search extracts the union of its candidate layers once ({len(space.union)} layers {space.union}): at most "
+        f"{storage['max_bytes'] / 1e9:,.1f} GB, over extract.max_bytes={storage['limit_bytes'] / 1e9:,.1f} GB; "
+        + (f"{fits} layers fit. Proposed: search.candidates=[{','.join(map(str, proposal))}] (the baseline's layers and "
+           "others evenly spaced over the union, every slot keeping layers); or lower data.max_train_conversations / data.max_seq_len, or raise "
+           "extract.max_bytes if the disk holds it" if proposal else
+           f"not even {len(search.slots)} layers fit: lower data.max_train_conversations or data.max_seq_len")
+    )
+
+
+def smaller_candidates(search: SearchConfig, base: RootConfig, space: Space, size: int) -> list[int] | None:
+    """The largest subset of the union, of at most `size` layers, that keeps the baseline's layers (with
+    search.baseline) and spreads the others evenly, and still leaves a valid point."""
+    keep = sorted(set(base.aux_layers) & set(space.union)) if search.baseline else []
+    rest = [k for k in space.union if k not in keep]
+    for m in range(min(size, len(space.union)) - len(keep), len(search.slots) - len(keep) - 1, -1):
+        spread = {rest[round(i * (len(rest) - 1) / max(m - 1, 1))] for i in range(m)} if m > 0 and rest else set()
+        picked = sorted(set(keep) | spread)
+        try:
+            build_space(SearchConfig(**{**asdict(search), "candidates": picked}), base)
+            return picked
+        except SearchError:
+            continue
+    return None
+
+
+def print_space(search: SearchConfig, space: Space, cfg: RootConfig, storage: dict[str, Any], study_dir: Path) -> None:
+    single = extract_storage(point_config_like(cfg, list(cfg.aux_layers)))
+    print(f"layer search {search.study_name!r}: {len(space.points):,} points the serving engine can capture "
+          f"({cfg.serve.engine}, family {cfg.target.family}); slots:")
+    for i, (rng, layers) in enumerate(zip(search.slots, space.slots)):
+        print(f"  slot {i}: range {rng} -> {layers}")
+    print(f"one extraction for every trial: the union {space.union} ({len(space.union)} layers), at most "
+          f"{storage['max_bytes'] / 1e9:,.2f} GB ({storage['max_tokens']:,} tokens x {storage['bytes_per_token']:,} "
+          f"bytes/token); one point alone: {single['max_bytes'] / 1e9:,.2f} GB; extract.max_bytes="
+          f"{storage['limit_bytes'] / 1e9:,.1f} GB")
+    print(f"value: {objective_name(cfg)} (maximised); {search.n_trials} trials, {search.n_jobs} at a time; pruner "
+          f"{search.pruner['_target_']} on train/val_{search.prune_metric}; study at {study_dir}")
+
+
+def point_config_like(cfg: RootConfig, point: list[int]) -> RootConfig:
+    """A copy of `cfg` extracting only `point` (for the storage a single point would cost)."""
+    other = copy.deepcopy(cfg)
+    other.extract.extra_layers = []
+    other.extract.layers = list(point)
+    return other
+
+
+def objective_name(cfg: RootConfig) -> str:
+    return "serve/speedup" if "serve" in cfg.stages else "eval/expected_accept_length"
+
+
+def objective(cfg: RootConfig, summary: dict[str, Any]) -> float:
+    stage, key = objective_name(cfg).split("/")
+    return float(summary["stages"][stage][key])
+
+
+def fingerprint(experiment: dict[str, Any], search: SearchConfig) -> str:
+    """What makes two trials' values comparable: everything but the point, where jobs run and how many trials.
+    A study continues only under the same fingerprint."""
+    tree = OmegaConf.to_container(OmegaConf.create(experiment), resolve=True)
+    for key in ("aux_layers", "run_name", "dry_run", "check", "check_draft", "outputs_dir", "cluster", "tracking"):
+        tree.pop(key, None)
+    for stage in ("extract", "train", "eval", "serve"):
+        tree[stage].pop("resources", None)
+        tree[stage].pop("layers", None)
+    return stable_hash({"experiment": tree, "slots": search.slots, "candidates": search.candidates, "metric": search.prune_metric})
+
+
+# ---- the study -------------------------------------------------------------------------------------------------
+
+
+def study_dir(search: SearchConfig, base: RootConfig) -> Path:
+    return base.outputs / "search" / search.study_name
+
+
+def storage_url(search: SearchConfig, folder: Path) -> str:
+    return search.storage or f"sqlite:///{folder / 'optuna.db'}"
+
+
+def suggest(trial, space: Space) -> list[int]:
+    """One layer per slot, ascending, from the layers that still lead to a valid point. Optuna samples an int in
+    the allowed range; a value between two allowed layers (candidates with gaps) takes the nearest, lower on a tie."""
+    point: tuple[int, ...] = ()
+    for i in range(len(space.slots)):
+        allowed = space.allowed(point)
+        value = trial.suggest_int(f"slot_{i}", allowed[0], allowed[-1])
+        point += (min(allowed, key=lambda k: (abs(k - value), k)),)
+    return list(point)
+
+
+def finished_count(study) -> int:
+    """Trials that count towards search.n_trials: complete, pruned, or failed while running; not a point
+    rejected before its jobs, nor a trial a killed driver left behind (it runs again)."""
+    import optuna
+
+    states = optuna.trial.TrialState
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.user_attrs.get("retry_of") for t in trials}
+    return sum(
+        1 for t in trials
+        if t.state in (states.COMPLETE, states.PRUNED)
+        or (t.state == states.FAIL and "rejected" not in t.user_attrs and t.number not in retried)
+    )
+
+
+def recover_interrupted(study) -> list[int]:
+    """Trials left RUNNING belong to a driver that was killed (one driver per study holds its lock): failed, and
+    their points enqueued again, so the resumed study runs them first."""
+    import optuna
+
+    left = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+    for t in left:
+        study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+        study.enqueue_trial(t.params, user_attrs={"retry_of": t.number}, skip_if_exists=False)
+    return [t.number for t in left]
+
+
+class Study:
+    """One search: the Optuna study, its folder, its MLflow parent run; runs trials as pipeline runs."""
+
+    def __init__(self, search: SearchConfig, experiment: dict[str, Any], space: Space, extract_cfg: RootConfig):
+        import optuna
+        from hydra.utils import instantiate
+
+        self.search, self.experiment, self.space, self.base = search, experiment, space, extract_cfg
+        self.folder = study_dir(search, extract_cfg)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.storage = storage_url(search, self.folder)
+        try:
+            sampler, pruner = instantiate(search.sampler), instantiate(search.pruner)
+        except Exception as exc:
+            raise SearchError(f"search.sampler / search.pruner: cannot build them: {exc}") from None
+        self.study = optuna.create_study(study_name=search.study_name, storage=self.storage, sampler=sampler,
+                                         pruner=pruner, direction="maximize", load_if_exists=True)
+        mark = fingerprint(experiment, search)
+        known = self.study.user_attrs.get("fingerprint")
+        if known is None:
+            for key, value in {"fingerprint": mark, "objective": objective_name(extract_cfg), "slots": search.slots,
+                               "union": space.union, "prune_metric": search.prune_metric}.items():
+                self.study.set_user_attr(key, value)
+        elif known != mark:
+            raise SearchError(
+                f"search.study_name={search.study_name!r}: the study in {self.storage} was run with another experiment or "
+                "space (its values would not compare); continue it with its own command, or name a new study "
+                "(search.study_name=...)"
+            )
+        self.uri = tracking.tracking_uri(extract_cfg.tracking.uri, extract_cfg.outputs)
+        self.parent = tracking.sweep_parent_run(self.uri, extract_cfg.tracking.experiment, self.folder, search.study_name)
+        self.lock = threading.Lock()
+
+    def run(self) -> dict[str, Any]:
+        import optuna
+
+        interrupted = recover_interrupted(self.study)
+        if interrupted:
+            print(f"[search] resuming {self.search.study_name!r}: trials {interrupted} of a killed driver run again")
+        for number in interrupted:  # their pipeline runs were left RUNNING by the killed driver
+            child = tracking.child_run_id(self.uri, self.parent, self.folder / "trials" / f"{number:04d}")
+            tracking.trial_ended(self.uri, child, number, "interrupted")
+        if not self.study.trials and self.search.baseline:
+            baseline = list(self.experiment["aux_layers"])
+            if tuple(baseline) not in self.space.points:
+                raise SearchError(f"search.baseline=true but aux_layers={baseline} is not a point of search.slots="
+                                  f"{self.search.slots}: widen the slots or set search.baseline=false")
+            self.study.enqueue_trial({f"slot_{i}": k for i, k in enumerate(baseline)}, user_attrs={"baseline": True})
+        tracking.search_started(self.uri, self.parent, self.search.study_name, self.storage, self.folder,
+                                objective_name(self.base), self.search.slots, self.space.union)
+        self.extract_union()
+        while (left := self.search.n_trials - finished_count(self.study)) > 0:
+            before = finished_count(self.study)
+            self.study.optimize(self.trial, n_trials=left, n_jobs=min(self.search.n_jobs, left),
+                                catch=(runner.StageFailed, ConfigError, preflight.PreflightError),
+                                callbacks=[lambda study, trial: self.report()])
+            if finished_count(self.study) == before:
+                raise SearchError(f"search.slots={self.search.slots}: {left} proposed points in a row were rejected "
+                                  "before their jobs; see the study's failed trials (user attribute 'rejected')")
+        report = self.report(final=True)
+        complete = [t for t in self.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+        if not complete:
+            raise runner.StageFailed(f"layer search {self.search.study_name!r}: no trial completed; see {self.folder}/trials")
+        return report
+
+    def extract_union(self) -> None:
+        """The union's extraction, once, before the trials (which then find it cached)."""
+        from orchestrator.pipeline import make_plan, run_pipeline
+
+        cfg = copy.deepcopy(self.base)
+        cfg.stages = ["extract"]
+        run_dir = self.folder / "extract"
+        if make_plan(cfg, run_dir).stages[0]["cached"]:
+            return
+        print(f"[search] extracting the union {self.space.union} once for every trial")
+        summary = run_pipeline(cfg, run_dir, sweep_dir=self.folder)
+        tracking.union_extracted(self.uri, summary["mlflow_run_id"], self.space.union)
+
+    def trial(self, trial) -> float:
+        """One trial: its point, validated, as one pipeline run whose value the study maximises."""
+        import optuna
+
+        from orchestrator.pipeline import run_pipeline
+
+        point = suggest(trial, self.space)
+        trial.set_user_attr("aux_layers", point)
+        done = next((t for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+                     if t.user_attrs.get("aux_layers") == point), None)
+        if done is not None:  # a sampler re-proposes points of a discrete space: the value is known, no job runs
+            trial.set_user_attr("duplicate_of", done.number)
+            print(f"[search] trial {trial.number}: aux_layers={point} as trial {done.number}: {done.value:.4f}, no job")
+            return done.value
+        try:
+            cfg = point_config(self.experiment, point, self.space.union)
+            bad = preflight.failures(preflight.config_findings(cfg))
+            if bad:
+                raise preflight.PreflightError(bad)
+        except (ConfigError, preflight.PreflightError) as exc:  # no job has started for this point
+            trial.set_user_attr("rejected", str(exc))
+            print(f"[search] trial {trial.number}: point {point} rejected before any job: {exc}")
+            raise
+        run_dir = self.folder / "trials" / f"{trial.number:04d}"
+        spec = pruning.SearchTrial(self.storage, self.search.study_name, trial._trial_id, trial.number,
+                                   self.search.prune_metric, self.search.pruner)
+        print(f"[search] trial {trial.number}: aux_layers={point} ({run_dir})")
+        try:
+            summary = run_pipeline(cfg, run_dir, sweep_dir=self.folder, search_trial=asdict(spec))
+        except runner.StageFailed as exc:
+            record = run_dir / pruning.PRUNED_RECORD
+            child = tracking.child_run_id(self.uri, self.parent, run_dir)
+            if record.exists():
+                info = json.loads(record.read_text())
+                tracking.trial_ended(self.uri, child, trial.number, "pruned", pruned_at_step=info["step"])
+                raise optuna.TrialPruned(info["reason"]) from None
+            tracking.trial_ended(self.uri, child, trial.number, "failed")
+            raise
+        value = objective(cfg, summary)
+        tracking.trial_ended(self.uri, summary["mlflow_run_id"], trial.number, "complete", objective_name(cfg), value)
+        return value
+
+    def report(self, final: bool = False) -> dict[str, Any]:
+        """The study so far on the parent run: best point and value, the trials' table and the plot; with
+        `final`, `search.json` in the study folder and the parent closed."""
+        with self.lock:
+            rows = trial_rows(self.study)
+            best = max((r for r in rows if r["state"] == "complete"), key=lambda r: r["value"], default=None)
+            baseline = next((r for r in rows if r["baseline"] and r["state"] == "complete"), None)
+            plot = plot_objective(rows, len(self.space.slots), objective_name(self.base), self.folder / "objective_by_layers.png")
+            summary = {"study_name": self.search.study_name, "storage": self.storage, "objective": objective_name(self.base),
+                       "best": best, "baseline": baseline, "trials": rows, "mlflow_parent_run_id": self.parent,
+                       "union": self.space.union, "tracking_uri": self.uri}
+            write_json(self.folder / "search.json", summary)
+            tracking.search_progress(self.uri, self.parent, summary, plot, finished=final)
+            return summary
+
+
+def trial_rows(study) -> list[dict[str, Any]]:
+    return [
+        {"number": t.number, "aux_layers": t.user_attrs.get("aux_layers"), "state": t.state.name.lower(),
+         "value": t.value, "baseline": bool(t.user_attrs.get("baseline")),
+         "rejected": t.user_attrs.get("rejected"), "retry_of": t.user_attrs.get("retry_of"),
+         "duplicate_of": t.user_attrs.get("duplicate_of"),
+         "pruned_at_step": max(t.intermediate_values) if t.state.name == "PRUNED" and t.intermediate_values else None,
+         "seconds": (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete and t.datetime_start else None}
+        for t in study.get_trials(deepcopy=False)
+    ]
+
+
+def plot_objective(rows: list[dict[str, Any]], slots: int, name: str, path: Path) -> Path:
+    """A heat map per pair of slots: each cell the best value of the complete trials with those two layers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from orchestrator.artifacts import atomic_path
+
+    done = [r for r in rows if r["state"] == "complete" and r["aux_layers"]]
+    pairs = [(i, j) for i in range(slots) for j in range(i + 1, slots)]
+    fig, axes = plt.subplots(1, len(pairs), figsize=(4.2 * len(pairs), 3.8), squeeze=False)
+    for ax, (i, j) in zip(axes[0], pairs):
+        xs = sorted({r["aux_layers"][j] for r in done})
+        ys = sorted({r["aux_layers"][i] for r in done})
+        grid = np.full((len(ys), len(xs)), np.nan)
+        for r in done:
+            y, x = ys.index(r["aux_layers"][i]), xs.index(r["aux_layers"][j])
+            grid[y, x] = r["value"] if np.isnan(grid[y, x]) else max(grid[y, x], r["value"])
+        if done:
+            image = ax.imshow(grid, origin="lower", cmap="viridis", aspect="auto")
+            fig.colorbar(image, ax=ax, shrink=0.8)
+            for (y, x), v in np.ndenumerate(grid):
+                if not np.isnan(v):
+                    ax.text(x, y, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white")
+        ax.set_xticks(range(len(xs)), [str(x) for x in xs])
+        ax.set_yticks(range(len(ys)), [str(y) for y in ys])
+        ax.set_xlabel(f"slot {j} layer")
+        ax.set_ylabel(f"slot {i} layer")
+        ax.set_title(f"best {name} (slots {i}, {j})", fontsize=9)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    return path
+
+
+# ---- entry point -----------------------------------------------------------------------------------------------
+
+
+def main(cfg: DictConfig) -> int:
+    """`python -m orchestrator +experiment=X +search=<space> [overrides]`: 0 done, 1 no trial completed,
+    2 a config that cannot run (nothing submitted)."""
+    import sys
+
+    from filelock import FileLock, Timeout
+
+    try:
+        search, experiment = split(cfg)
+        base = load(copy.deepcopy(experiment))
+        space = build_space(search, base)
+        extract_cfg, storage = union_storage(search, experiment, space)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    folder = study_dir(search, base)
+    print_space(search, space, extract_cfg, storage, folder)
+    if base.dry_run:
+        print("dry run: nothing submitted")
+        return 0
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(folder / "driver.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"error: another driver is running study {search.study_name!r} ({folder / 'driver.lock'})", file=sys.stderr)
+        return 2
+    try:
+        summary = Study(search, experiment, space, extract_cfg).run()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except runner.StageFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        lock.release()
+    print_result(summary)
+    return 0
+
+
+def print_result(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"layer search {summary['study_name']}  ({summary['objective']}, maximised)")
+    for col in ("trial", "aux_layers", "state", "value", "seconds"):
+        table.add_column(col)
+    for r in summary["trials"]:
+        value = "" if r["value"] is None else f"{r['value']:.4f}"
+        state = r["state"] + (" (baseline)" if r["baseline"] else "") + (f" at step {r['pruned_at_step']}" if r["pruned_at_step"] else "")
+        state += f" (= trial {r['duplicate_of']}, no job)" if r["duplicate_of"] is not None else ""
+        table.add_row(str(r["number"]), str(r["aux_layers"]), state, value, "" if r["seconds"] is None else f"{r['seconds']:.0f}")
+    Console(width=200).print(table)
+    best, baseline = summary["best"], summary["baseline"]
+    if best:
+        print(f"best: aux_layers={best['aux_layers']} {summary['objective']}={best['value']:.4f} (trial {best['number']})")
+    if baseline:
+        print(f"baseline: aux_layers={baseline['aux_layers']} {summary['objective']}={baseline['value']:.4f}")
+    print(f"MLflow parent run {summary['mlflow_parent_run_id']} ({summary['tracking_uri']}); study {summary['storage']}")

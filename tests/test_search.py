@@ -1,0 +1,236 @@
+"""The layer search: its space through the layer contract, its storage budget, pruning, resume and MLflow.
+
+The space and budget tests compose the real config files and run real Optuna samplers, no job. The study tests
+run real trials (submitit local jobs, a sqlite Optuna storage, the session's MLflow store) on the FAST tiny
+target; the resume test kills a real driver process and runs the same command again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from hydra import compose, initialize_config_dir
+from mlflow.tracking import MlflowClient
+
+from orchestrator import conf_dir
+from orchestrator import layers as layer_contract
+from orchestrator import search
+from orchestrator.config import load
+from orchestrator.pruning import PRUNED_RECORD
+
+from conftest import FAST
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+ROOT = Path(__file__).resolve().parents[1]
+# Trials as short as the FAST pipeline allows: extract, train 16 steps (validation at 8 and 16), eval.
+TRIAL = ["stages=[extract,train,eval]", "cluster=local"]
+
+
+def compose_search(outputs: Path, *overrides: str, experiment: str = "tiny_eagle3", space: str = "tiny_llama"):
+    fast = FAST if experiment.startswith("tiny") else []  # the Kimi experiment has no tiny target to shrink
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return compose("config", overrides=[f"+experiment={experiment}", f"+search={space}", f"outputs_dir={outputs}", *fast, *overrides])
+
+
+def space_of(outputs: Path, *overrides: str, **kw) -> tuple[search.SearchConfig, dict, search.Space]:
+    cfg, experiment = search.split(compose_search(outputs, *overrides, **kw))
+    return cfg, experiment, search.build_space(cfg, load(experiment))
+
+
+def capturable(cfg, point) -> bool:
+    t, s = cfg.target, cfg.serve
+    try:
+        layer_contract.to_engine_ids(s.engine, point, t.num_hidden_layers, t.family, s.sglang_version)
+        return True
+    except layer_contract.LayerContractError:
+        return False
+
+
+@pytest.mark.parametrize("experiment,space,overrides", [
+    ("tiny_eagle3", "tiny_llama", ["search.slots=[[-1,3],[0,5],[2,7]]"]),  # SGLang's Llama rule never captures layer 7
+    ("tiny_eagle3", "tiny_llama", ["search.slots=[[-1,3],[0,5],[2,7]]", "search.candidates=[-1,1,3,4,6,7]"]),  # gaps
+    ("kimi_eagle3", "kimi_k25", []),  # Kimi's first-id rule: output of layer 0 cannot come first; 60 is never captured
+])
+def test_sampled_points_are_valid(tmp_path, experiment, space, overrides):
+    """Every point a real sampler proposes is ascending, distinct, inside the slots and capturable by serving:
+    the space holds no other point, and `suggest` only ever reaches points of the space."""
+    cfg, experiment_tree, sp = space_of(tmp_path, *overrides, experiment=experiment, space=space)
+    base = load(experiment_tree)
+    everything = list(search._ascending([list(range(lo, hi + 1)) for lo, hi in cfg.slots]))
+    invalid = [p for p in everything if not capturable(base, p)]
+    assert invalid, "the slots reach points serving cannot capture"
+    assert set(sp.points) == {p for p in everything if capturable(base, p)
+                              and (cfg.candidates is None or set(p) <= set(cfg.candidates))}
+    for sampler in (optuna.samplers.RandomSampler(seed=1), optuna.samplers.TPESampler(seed=1, n_startup_trials=5)):
+        study = optuna.create_study(direction="maximize", sampler=sampler)
+        for _ in range(60):
+            trial = study.ask()
+            point = search.suggest(trial, sp)
+            assert tuple(point) in sp.points, point
+            assert point == sorted(set(point)) and capturable(base, point)
+            study.tell(trial, float(sum(point)))
+    if experiment == "kimi_eagle3":
+        assert 0 not in sp.slots[0] and base.target.num_hidden_layers - 1 not in sp.union
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["search.slots=[[1,3],[4,6]]"], "search.slots has 2 ranges"),
+    (["search.slots=[[1,3],[4,6],[5,8]]"], "search.slots[2]=[5, 8]: outside"),
+    (["search.slots=[[3,1],[4,6],[5,7]]"], "search.slots[0]=[3, 1]"),
+    (["search.slots=[[7,7],[7,7],[7,7]]"], "no point the serving engine"),
+    (["stages=[extract,train]"], "stages=['extract', 'train']"),
+    (["search.prune_metric=loss"], "search.prune_metric='loss'"),
+    (["search.prune_metric=acc_9"], "search.prune_metric='acc_9'"),
+    (["cluster=debug", "search.n_jobs=2"], "search.n_jobs=2 with cluster=debug"),
+])
+def test_bad_search_fails_naming_the_key(tmp_path, overrides, key):
+    raw = compose_search(tmp_path, *overrides)
+    with pytest.raises(search.SearchError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        cfg, experiment = search.split(raw)
+        search.build_space(cfg, load(experiment))
+    assert search.main(raw) == 2
+    assert not (tmp_path / "search").exists(), "nothing is created, let alone submitted"
+
+
+def test_union_over_budget_proposes_candidates(tmp_path):
+    """The union's extraction over extract.max_bytes is refused with a smaller candidate set that fits and keeps
+    the baseline's layers; the same command with that set passes."""
+    cfg, experiment, sp = space_of(tmp_path, "extract.max_bytes=3e7")
+    with pytest.raises(search.SearchError, match=r"search\.candidates=\[") as err:
+        search.union_storage(cfg, experiment, sp)
+    proposal = str(err.value).split("search.candidates=")[1].split("]")[0] + "]"
+    candidates = json.loads(proposal)
+    assert set([1, 4, 6]) <= set(candidates) < set(sp.union)
+    cfg2, experiment2, sp2 = space_of(tmp_path, "extract.max_bytes=3e7", f"search.candidates={proposal}")
+    extract_cfg, storage = search.union_storage(cfg2, experiment2, sp2)
+    assert storage["max_bytes"] <= storage["limit_bytes"] and extract_cfg.extract.extra_layers == sp2.union == candidates
+
+
+def test_dry_run_prints_the_union_storage(tmp_path, capsys):
+    assert search.main(compose_search(tmp_path, "dry_run=true")) == 0
+    out = capsys.readouterr().out
+    assert "one extraction for every trial: the union [-1, 0, 1, 2, 3, 4, 5, 6] (8 layers), at most" in out
+    assert "dry run: nothing submitted" in out and not (tmp_path / "search").exists()
+
+
+def _study(outputs: Path, name: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{outputs / 'search' / name / 'optuna.db'}")
+
+
+def _trial_points(folder: Path) -> list[list[int]]:
+    """The aux_layers of every pipeline the study started, as its training job received them (the plan)."""
+    plans = sorted((folder / "trials").glob("*/plan.json"))
+    return [next(s["layer_ids"]["aux_layers"] for s in json.loads(p.read_text())["stages"] if s["stage"] == "train") for p in plans]
+
+
+def test_study_resumes_after_a_killed_driver(outputs, tmp_path):
+    """The driver is killed (with its jobs) mid-trial; the same command continues the study: the unfinished
+    trial's point runs again, the parent run is the same, and the study reaches search.n_trials."""
+    name = "resume"
+    command = [sys.executable, "-m", "orchestrator", "+experiment=tiny_eagle3", "+search=tiny_llama", f"outputs_dir={outputs}",
+               *FAST, *TRIAL, f"search.study_name={name}", "search.n_trials=2", "search/pruner=none"]
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    log = (tmp_path / "first.log").open("w")
+    driver = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    db = outputs / "search" / name / "optuna.db"
+    deadline = time.time() + 900
+    try:
+        while time.time() < deadline and driver.poll() is None:
+            if db.exists() and (outputs / "search" / name / "trials" / "0000" / "jobs").exists():
+                running = _study(outputs, name).get_trials(states=(optuna.trial.TrialState.RUNNING,))
+                if running:
+                    break
+            time.sleep(1)
+        assert driver.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        os.killpg(driver.pid, signal.SIGKILL)  # the driver and its local jobs, as a Ctrl-C'd terminal would
+        driver.wait()
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    killed = _study(outputs, name).trials
+    assert [t.state for t in killed] == [optuna.trial.TrialState.RUNNING]
+    parent = json.loads((outputs / "search" / name / "mlflow_parent_run.json").read_text())["run_id"]
+
+    again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=1200)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "trials [0] of a killed driver run again" in again.stdout
+    trials = _study(outputs, name).trials
+    assert trials[0].state == optuna.trial.TrialState.FAIL
+    assert trials[1].user_attrs["retry_of"] == 0 and trials[1].params == trials[0].params
+    assert trials[1].user_attrs["aux_layers"] == [1, 4, 6]  # the baseline, enqueued first, runs again
+    finished = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(finished) == 2 and search.finished_count(_study(outputs, name)) == 2
+    assert json.loads((outputs / "search" / name / "mlflow_parent_run.json").read_text())["run_id"] == parent
+    summary = json.loads((outputs / "search" / name / "search.json").read_text())
+    assert summary["mlflow_parent_run_id"] == parent and summary["best"]["value"] == max(t.value for t in finished)
+    uri = search.tracking.tracking_uri(None, outputs)
+    left = MlflowClient(uri).get_run(search.tracking.child_run_id(uri, parent, outputs / "search" / name / "trials" / "0000"))
+    assert left.info.status == "KILLED" and left.data.tags["search.trial_state"] == "interrupted"
+
+
+def test_pruned_trials_and_parent_run(outputs):
+    """A pruner that stops every trial at its first report: trials after the baseline are recorded as pruned in
+    Optuna and in MLflow (child run KILLED, state tag), training stops there; the parent carries the best
+    point as a tag, the objective per trial, the heat map and the trials' table."""
+    name = "prune"
+    raw = compose_search(outputs, *TRIAL, f"search.study_name={name}", "search.n_trials=1", "search/pruner=none")
+    assert search.main(raw) == 0  # the baseline completes
+    raw = compose_search(outputs, *TRIAL, f"search.study_name={name}", "search.n_trials=3", "search/pruner=threshold",
+                         "search.pruner.lower=1e9")
+    assert search.main(raw) == 0
+    study = _study(outputs, name)
+    states = [t.state for t in study.trials]
+    assert states[0] == optuna.trial.TrialState.COMPLETE
+    pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert pruned and all(list(t.intermediate_values) == [8] for t in pruned), [t.intermediate_values for t in pruned]
+    folder = outputs / "search" / name
+    cfg, experiment, space = space_of(outputs, *TRIAL)
+    started = _trial_points(folder)
+    assert started and all(tuple(p) in space.points and capturable(load(experiment), p) for p in started), started
+    parent_id = json.loads((folder / "mlflow_parent_run.json").read_text())["run_id"]
+    client = MlflowClient(search.tracking.tracking_uri(None, outputs))
+    parent = client.get_run(parent_id)
+    children = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    by_trial = {int(r.data.tags["search.trial"]): r for r in children if "search.trial" in r.data.tags}
+    for t in pruned:
+        run = by_trial[t.number]
+        assert run.info.status == "KILLED" and run.data.tags["search.trial_state"] == "pruned"
+        assert run.data.tags["search.pruned_at_step"] == "8" and "search/objective" not in run.data.metrics
+        assert run.data.params["aux_layers"] == ", ".join(map(str, t.user_attrs["aux_layers"]))
+        run_dir = folder / "trials" / f"{t.number:04d}"
+        assert json.loads((run_dir / PRUNED_RECORD).read_text())["step"] == 8
+    complete = by_trial[0]
+    assert complete.data.tags["search.trial_state"] == "complete" and complete.info.status == "FINISHED"
+    assert complete.data.metrics["search/objective"] == study.trials[0].value == complete.data.metrics["eval/expected_accept_length"]
+    assert complete.data.params["aux_layers"] == "1, 4, 6"
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["search.best_aux_layers"] == "[1, 4, 6]" and parent.data.metrics["search/best_objective"] == study.trials[0].value
+    assert int(parent.data.tags["search.trials_pruned"]) == len(pruned)
+    artifacts = {a.path for a in client.list_artifacts(parent_id)}
+    assert {"objective_by_layers.png", "search.json"} <= artifacts
+    png = Path(client.download_artifacts(parent_id, "objective_by_layers.png", str(folder / "dl")))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert "| 0 | L1-4-6 | complete (baseline) |" in parent.data.tags["mlflow.note.content"]
+
+
+@pytest.mark.slow
+def test_demo_search_finds_at_least_the_baseline(tmp_path):
+    """The README's layer-search demo as a user runs it (minutes on 2 cores: outside the default suite): within
+    its trials, a point the sampler proposed (not the enqueued baseline) does at least as well as the
+    experiment's own aux_layers."""
+    env = os.environ | {"EAGLE_ORCH_OUTPUTS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "+experiment=tiny_layer_search"], env=env,
+                          capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(next((tmp_path / "search").glob("*/search.json")).read_text())
+    base = summary["baseline"]
+    assert base["aux_layers"] == [1, 4, 6] and len(summary["trials"]) >= 10
+    sampled = [t for t in summary["trials"] if t["state"] == "complete" and t["aux_layers"] != base["aux_layers"]]
+    assert max(t["value"] for t in sampled) >= base["value"], summary["trials"]
