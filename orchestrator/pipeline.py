@@ -362,7 +362,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     for stage, result in summary["stages"].items():
         headline = result.get("headline") or {k: v for k, v in result.items() if isinstance(v, (int, float, str, bool))}
         ran = result.get("compute")
-        where = f"  [{ran['device']}, {ran['dtype']}, {ran['world_size']} rank(s)]" if ran else ""
+        where = f"  (on {ran['device']}, {ran['dtype']}, {ran['world_size']} rank{'s' if ran['world_size'] > 1 else ''})" if ran else ""
         table.add_row(stage, ", ".join(f"{k}={_fmt(v)}" for k, v in headline.items()) + where)
     table.add_row("mismatch", "; ".join(summary["mismatch_flags"]) or "none")
     Console(width=200).print(table)
