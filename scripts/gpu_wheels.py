@@ -49,10 +49,7 @@ def main() -> None:
              if line.strip() and not line.startswith("#")}
     wanted = [f"{n}=={v}" for n, v in sorted(runtime_closure().items()) if n not in image] + EXTRA
     folder = ROOT / ".whl"
-    folder.mkdir(exist_ok=True)
-    exclude = ROOT / ".git" / "info" / "exclude"
-    if exclude.exists() and "/.whl/" not in exclude.read_text().split():
-        exclude.write_text(exclude.read_text() + "/.whl/\n")
+    folder.mkdir(exist_ok=True)  # git-ignored (.gitignore): the wheels travel with the device tool, never in git
     pip = [sys.executable, "-m", "pip"]
     for spec in wanted:
         binary = [*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--implementation",
