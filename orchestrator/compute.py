@@ -77,18 +77,17 @@ class Compute:
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of `values` over all ranks; itself when alone."""
-        if not self.distributed:
-            return values
-        moved = values.to(self.device if self.backend == "nccl" else "cpu")
-        torch.distributed.all_reduce(moved)
-        return moved.to(values.device)
+        return self._all_reduce(values, torch.distributed.ReduceOp.SUM)
 
     def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
         """The elementwise maximum of `values` over all ranks; itself when alone."""
+        return self._all_reduce(values, torch.distributed.ReduceOp.MAX)
+
+    def _all_reduce(self, values: torch.Tensor, op) -> torch.Tensor:
         if not self.distributed:
             return values
         moved = values.to(self.device if self.backend == "nccl" else "cpu")
-        torch.distributed.all_reduce(moved, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(moved, op=op)
         return moved.to(values.device)
 
     def close(self) -> None:
