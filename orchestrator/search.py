@@ -381,10 +381,16 @@ class Study:
 
         point = suggest(trial, self.space)
         trial.set_user_attr("aux_layers", point)
-        done = next((t for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-                     if t.user_attrs.get("aux_layers") == point), None)
-        if done is not None:  # a sampler re-proposes points of a discrete space: the value is known, no job runs
+        ended = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+        done = next((t for t in self.study.get_trials(deepcopy=False, states=ended)
+                     if t.user_attrs.get("aux_layers") == point and t.user_attrs.get("duplicate_of") is None), None)
+        if done is not None:  # a sampler re-proposes points of a discrete space: the outcome is known, no job runs
             trial.set_user_attr("duplicate_of", done.number)
+            if done.state == optuna.trial.TrialState.PRUNED:  # training is deterministic: it would report the same
+                for step, value in sorted(done.intermediate_values.items()):
+                    trial.report(value, step)
+                print(f"[search] trial {trial.number}: aux_layers={point} as trial {done.number}: pruned, no job")
+                raise optuna.TrialPruned(f"aux_layers={point} as trial {done.number}, pruned")
             print(f"[search] trial {trial.number}: aux_layers={point} as trial {done.number}: {done.value:.4f}, no job")
             return done.value
         try:

@@ -2,6 +2,7 @@
 
     python scripts/bench_train_gpu.py --json bench_train_gpu.json          # one GPU: seq 2048 and 8192
     python scripts/bench_train_gpu.py --device cpu --shape tiny --seqs 64 --steps 2 --warmup 1   # CI smoke run
+    python scripts/bench_train_gpu.py --device cpu --estimate-memory --steps 0   # Kimi's peak memory, no GPU
 
 In one process, on synthetic data (batch 1; random aux states [1, L, 3H] and teacher states [1, L, H], loss mask
 all ones), it times per sequence length:
@@ -12,7 +13,8 @@ all ones), it times per sequence length:
     master copies in its `BF16Optimizer`, loss sum(0.8^i * loss_i), as its trainer does. Its teacher logits come
     from a frozen bf16 [V, H] head over the same teacher states inside the timed step, as its strategy does for
     stored hidden states (--specforge-teacher head), or are made once outside the timing (logits).
-It prints tokens/s, peak memory, model FLOPs utilisation and the ratio to SpecForge's flex_attention per length,
+It prints tokens/s, peak memory, model FLOPs utilisation and the ratio to SpecForge's flex_attention per length
+(with --estimate-memory, also the project's peak estimated on fake tensors: see `estimate_memory`),
 checks the two targets (>= 1.0x SpecForge flex_attention at 2048; 8192 within 80 GiB), and writes --json.
 An out-of-memory configuration is reported as such; the others still run.
 
@@ -96,15 +98,20 @@ class Data:
     t2d: torch.Tensor
 
 
-def synthetic(s: DraftShape, seq: int, device: torch.device, seed: int) -> Data:
+def vocab_map(s: DraftShape, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    counts = torch.randint(0, 1000, (s.vocab_size,), generator=torch.Generator().manual_seed(seed))
+    return build_vocab_map(counts, s.draft_vocab_size)
+
+
+def synthetic(s: DraftShape, seq: int, device: torch.device, seed: int,
+              mapping: tuple[torch.Tensor, torch.Tensor] | None = None) -> Data:
     gen = torch.Generator(device=device).manual_seed(seed)
     ids = torch.randint(0, s.vocab_size, (1, seq), generator=gen, device=device)
     aux = torch.randn(1, seq, s.num_aux_layers * s.target_hidden_size, generator=gen, device=device)
     teacher = torch.randn(1, seq, s.target_hidden_size, generator=gen, device=device)
     mask = torch.ones(1, seq, dtype=torch.bool, device=device)
     lengths = torch.tensor([seq], device=device)
-    counts = torch.randint(0, 1000, (s.vocab_size,), generator=torch.Generator().manual_seed(seed))
-    d2t, t2d = build_vocab_map(counts, s.draft_vocab_size)
+    d2t, t2d = mapping or vocab_map(s, seed)
     return Data(Batch(ids, mask, lengths, aux, teacher), d2t.to(device), t2d.to(device))
 
 
@@ -114,8 +121,10 @@ def teacher_weights(s: DraftShape, device: torch.device, seed: int) -> dict[str,
     return {"norm": torch.ones(s.target_hidden_size, device=device), "lm_head": lm_head.mul_(s.target_hidden_size**-0.5)}
 
 
-def project_step(s: DraftShape, data: Data, device: torch.device, dtype: torch.dtype, seed: int) -> Callable[[], None]:
-    """One optimizer step of the train stage's loop (`train.run`) on a world of one."""
+def project_step(s: DraftShape, data: Data, device: torch.device, dtype: torch.dtype, seed: int,
+                 held: list | None = None) -> Callable[[], None]:
+    """One optimizer step of the train stage's loop (`train.run`) on a world of one. `held`, when given,
+    receives what the step holds between steps (the draft, the teacher head, the optimizer)."""
     torch.manual_seed(seed)
     with torch.device(device):
         draft = Eagle3Draft(s)
@@ -129,6 +138,8 @@ def project_step(s: DraftShape, data: Data, device: torch.device, dtype: torch.d
     model = TrainStep(draft)
     draft.train()
     batch = data.batch
+    if held is not None:
+        held += [draft, head, optim]
 
     def step() -> None:
         denominators = step_counts(batch, TTT_STEPS).clamp(min=1)
@@ -260,6 +271,53 @@ def measure(name: str, seq: int, build: Callable[[], Callable[[], None]], device
     return row
 
 
+def _mem_tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class FrozenAware(MemTracker):
+        """torch 2.13's MemTracker puts a gradient hook on every parameter of each module it enters, and
+        `register_hook` refuses a frozen one (the draft's embedding): a module with frozen parameters gets none.
+        Its trainable submodules still get theirs when they run, so gradients are still counted as such."""
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            frozen = any(not p.requires_grad for p in module.parameters())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks=install_grad_hooks and not frozen)
+
+    return FrozenAware
+
+
+def estimate_memory(shape_name: str, seq: int, seed: int, steps: int = 2) -> dict[str, Any]:
+    """The project's peak memory at one sequence length without a GPU: `steps` optimizer steps (the second one
+    holds the optimizer's state beside the activations) run on fake tensors (torch's FakeTensorMode: shapes and
+    dtypes, no data, no arithmetic) while torch's own MemTracker (torch.distributed._tools) records every live
+    tensor's bytes by kind. The step is the benchmark's own (bf16 autocast over float32 weights and AdamW) with
+    SDPA held to its flash kernel, the one CUDA picks for the bf16 TTT attention, so the attention keeps its
+    output and log-sum-exp, not an [L, L] score tensor. Fake CUDA tensors need a CUDA build of torch, so the
+    tensors are fake CPU ones under CPU autocast; the CUDA caching allocator's rounding and fragmentation and
+    the kernels' workspaces are not in the figure."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    FrozenAwareMemTracker = _mem_tracker_class()
+    s = shape_of(shape_name, seq)
+    cpu = torch.device("cpu")
+    mapping = vocab_map(s, seed)
+    with FakeTensorMode(allow_non_fake_inputs=True), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        data = synthetic(s, seq, cpu, seed, mapping)
+        held: list = []
+        step = project_step(s, data, cpu, torch.bfloat16, seed, held)
+        tracker = FrozenAwareMemTracker()
+        tracker.track_external(*held, data.batch.aux, data.batch.teacher)
+        with tracker:
+            for _ in range(steps):
+                step()
+                tracker.reset_mod_stats()  # per-module figures are per call; the peak is the tracker's own
+        peak = tracker.get_tracker_snapshot("peak")[cpu]
+    kinds = {str(kind).split(".")[-1].lower(): value / GIB for kind, value in peak.items() if str(kind) != "Total"}
+    return {"implementation": PROJECT, "seq": seq, "status": "estimated", "peak_estimated_gib": peak["Total"] / GIB,
+            "by_kind_gib": {k: v for k, v in kinds.items() if v > 0}}
+
+
 def skipped(name: str, seq: int, reason: str) -> dict[str, Any]:
     return {"implementation": name, "seq": seq, "status": "skipped", "reason": reason}
 
@@ -267,7 +325,7 @@ def skipped(name: str, seq: int, reason: str) -> dict[str, Any]:
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     flex = {r["seq"]: r for r in rows if r["implementation"] == "specforge:flex_attention" and r["status"] == "measured"}
     for r in rows:
-        if r["implementation"] == PROJECT:
+        if r["implementation"] == PROJECT and r["status"] != "estimated":
             other = flex.get(r["seq"])
             r["ratio_to_specforge_flex"] = (r["tokens_per_s"] / other["tokens_per_s"]
                                             if other and r["status"] == "measured" else None)
@@ -276,7 +334,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 def check_targets(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """PASS/FAIL/UNMEASURED: the project at >= 1.0x SpecForge flex_attention's tokens/s at 2048; at 8192 a peak
     below 80 GiB (an out-of-memory project step fails it)."""
-    project = {r["seq"]: r for r in rows if r["implementation"] == PROJECT}
+    project = {r["seq"]: r for r in rows if r["implementation"] == PROJECT and r["status"] != "estimated"}
     flex = {r["seq"]: r for r in rows if r["implementation"] == "specforge:flex_attention"}
     ratio: dict[str, Any] = {"target": f">= {RATIO_TARGET}x SpecForge flex_attention tokens/s at seq 2048", "status": "UNMEASURED"}
     p, f = project.get(2048), flex.get(2048)
@@ -286,6 +344,9 @@ def check_targets(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         elif p["status"] == "out of memory":
             ratio["status"] = "FAIL"
     memory: dict[str, Any] = {"target": f"seq 8192 trains with a peak below {MEMORY_TARGET_GIB:.0f} GiB", "status": "UNMEASURED"}
+    estimate = next((r for r in rows if r["status"] == "estimated" and r["seq"] == 8192), None)
+    if estimate:  # a figure without a GPU; the target's status still needs the GPU's own peak
+        memory["estimate_gib"] = estimate["peak_estimated_gib"]
     p = project.get(8192)
     if p and p["status"] == "out of memory":
         memory["status"] = "FAIL"
@@ -303,8 +364,9 @@ def report(result: dict[str, Any], console: Console) -> None:
     for column in ("implementation", "seq", "status", "tokens/s", "step ms", "peak GiB", "reserved GiB", "MFU", "x SpecForge flex"):
         table.add_column(column, justify="left" if column in ("implementation", "status") else "right")
     for r in result["results"]:
+        peak = r.get("peak_allocated_gib", r.get("peak_estimated_gib"))
         table.add_row(r["implementation"], str(r["seq"]), r["status"], fmt(r.get("tokens_per_s"), ",.0f"),
-                      fmt(r["step_s"] * 1e3 if r.get("step_s") else None, ",.1f"), fmt(r.get("peak_allocated_gib"), ".1f"),
+                      fmt(r["step_s"] * 1e3 if r.get("step_s") else None, ",.1f"), fmt(peak, ".1f"),
                       fmt(r.get("peak_reserved_gib"), ".1f"), fmt(r.get("mfu"), ".1%"), fmt(r.get("ratio_to_specforge_flex"), ".2f"))
     console.print(table)
     reasons = dict.fromkeys(f"{r['implementation']} {r['status']}: {r['reason']}" for r in result["results"] if r.get("reason"))
@@ -313,8 +375,15 @@ def report(result: dict[str, Any], console: Console) -> None:
     if result["peak_tflops"]:
         console.print(f"MFU: model FLOPs per token (DOMAIN.md §8) x tokens/s over an assumed dense bf16 peak of "
                       f"{result['peak_tflops']:g} TFLOP/s (--peak-tflops; 790 is an H200's).")
+    for r in result["results"]:
+        if r["status"] == "estimated":
+            kinds = ", ".join(f"{k} {v:.1f}" for k, v in r["by_kind_gib"].items())
+            console.print(f"estimated peak at seq {r['seq']}: {r['peak_estimated_gib']:.1f} GiB ({kinds}): fake tensors "
+                          "under torch's MemTracker, no GPU (--estimate-memory)", soft_wrap=True)
     t = result["targets"]
-    parts = [f"{v['target']}: {v['status']}" + (f" ({v['value']:.2f})" if v.get("value") is not None else "") for v in t.values()]
+    parts = [f"{v['target']}: {v['status']}" + (f" ({v['value']:.2f})" if v.get("value") is not None else "")
+             + (f" (estimated without a GPU: {v['estimate_gib']:.1f} GiB)" if v.get("estimate_gib") is not None else "")
+             for v in t.values()]
     console.print("targets: " + "; ".join(parts), soft_wrap=True)
 
 
@@ -332,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default="auto", help="the project's train.precision")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak of the GPU for MFU (790: H200)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--estimate-memory", action="store_true",
+                    help="also estimate the project's peak memory per length on fake tensors (seconds, no GPU needed)")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
 
@@ -346,7 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 200)
 
     rows = []
-    for seq in args.seqs:
+    if args.estimate_memory:
+        rows += [estimate_memory(args.shape, seq, args.seed) for seq in args.seqs]
+    for seq in args.seqs if args.steps > 0 else []:  # --steps 0: the estimate alone (what a CPU gives at Kimi's shape)
         s = shape_of(args.shape, seq)
         flops = flops_per_token(s, seq)
         data = synthetic(s, seq, device, args.seed)

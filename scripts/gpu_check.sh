@@ -27,7 +27,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MLFLOW_DI
 if [ "$mode" = cuda ]; then
   gpus=1
   demo=()
-  bench=(--device cuda --shape kimi --seqs 2048 8192 --steps 10 --warmup 3 --specforge-backends flex_attention sdpa)
+  # --estimate-memory: the fake-tensor estimate beside the measured peak, so that this run calibrates it
+  bench=(--device cuda --shape kimi --seqs 2048 8192 --steps 10 --warmup 3 --specforge-backends flex_attention sdpa
+         --estimate-memory)
 else
   gpus=0
   # the test suite's reduced tiny experiment (tests/conftest.py FAST)

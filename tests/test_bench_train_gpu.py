@@ -61,3 +61,30 @@ def test_kimi_shape_is_the_configured_one():
     assert (s.target_hidden_size, s.vocab_size, s.rope_theta) == (target.hidden_size, target.vocab_size, target.rope_theta)
     # DOMAIN.md §8: about 0.048 TFLOP per token at seq 2048
     assert abs(bench.flops_per_token(s, 2048) / 1e12 - 0.048) < 0.001
+
+
+def test_kimi_peak_memory_estimate_without_a_gpu(tmp_path):
+    """The project's step at Kimi's draft shape on fake tensors under torch's MemTracker (seconds, no GPU): the
+    weights, the frozen teacher head and AdamW's state are all there, the activations grow with the sequence
+    about linearly (no [L, L] tensor per TTT step), and seq 8192 stays under the issue's 80 GiB."""
+    out = tmp_path / "estimate.json"
+    run = subprocess.run(
+        [sys.executable, "-c", BLOCKED_RUN, str(SCRIPT), "--device", "cpu", "--estimate-memory", "--steps", "0",
+         "--seqs", "2048", "8192", "--specforge-backends", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(out.read_text())
+    rows = {r["seq"]: r for r in result["results"]}
+    assert set(rows) == {2048, 8192} and {r["status"] for r in rows.values()} == {"estimated"}
+    trainable = sum(n * m for n, m in [(7168, 3 * 7168), (64 * 128, 2 * 7168), (2 * 64 * 128, 2 * 7168), (7168, 64 * 128),
+                                       (3 * 18432, 7168), (32000, 7168)])  # fc, q, k+v, o, MLP, draft head
+    frozen = (163840 * 7168) * 2  # the draft's embedding and the teacher's lm_head, float32
+    held = (trainable * 3 + frozen) * 4 / 2**30  # weights, AdamW's two moments, frozen tensors
+    for r in rows.values():
+        assert r["peak_estimated_gib"] > held, (r, held)
+    act = {seq: r["peak_estimated_gib"] - held for seq, r in rows.items()}
+    assert act[8192] < 4.5 * act[2048], act  # 4x the length: linear, not quadratic, growth
+    memory = result["targets"]["memory_8192"]
+    assert memory["status"] == "UNMEASURED" and memory["estimate_gib"] == rows[8192]["peak_estimated_gib"] < 80
+    assert "estimated without a GPU" in run.stdout

@@ -3,7 +3,12 @@ submitit's task model (cluster=local, two tasks), against the same stages in one
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,10 +22,15 @@ from orchestrator.pipeline import make_plan, run_pipeline
 from orchestrator.stages.train import rank_share
 from orchestrator.targets import ensure_target
 
-from conftest import compose_config
+from conftest import FAST, compose_config
 
 # One CPU per rank, and the one-process run also on one: the same float reductions in both.
 ONE_CPU = ["extract.resources.cpus_per_task=1", "train.resources.cpus_per_task=1"]
+
+
+def _overrides(ranks: int) -> list[str]:
+    return ["cluster=local", "stages=[extract,train]", *ONE_CPU,
+            f"extract.resources.tasks_per_node={ranks}", f"train.resources.tasks_per_node={ranks}"]
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +42,7 @@ def runs(outputs, tiny_config, tmp_path_factory):
     for ranks in (1, 2):
         root = tmp_path_factory.mktemp(f"ranks{ranks}")
         shutil.copytree(outputs / "cache" / "targets", root / "cache" / "targets", ignore=shutil.ignore_patterns("*.lock"))
-        cfg = compose_config(root, "cluster=local", "stages=[extract,train]", *ONE_CPU,
-                             f"extract.resources.tasks_per_node={ranks}", f"train.resources.tasks_per_node={ranks}")
+        cfg = compose_config(root, *_overrides(ranks))
         out[ranks] = (cfg, run_pipeline(cfg, root / "runs" / "r"))
     return out
 
@@ -77,6 +86,41 @@ def test_two_rank_training_reaches_the_one_rank_weights(runs):
     params = MlflowClient(summary2["tracking_uri"]).get_run(summary2["mlflow_run_id"]).data.params
     assert params["train.world_size"] == "2" and params["extract.world_size"] == "2"
     assert params["train.device"] == "cpu" and params["train.dtype"] == "float32"
+
+
+def test_two_rank_training_killed_mid_run_resumes_to_the_same_weights(runs, tmp_path):
+    """The 2-task training job is killed with its driver after a checkpoint; the same command again resumes both
+    ranks from rank 0's checkpoint and reaches the uninterrupted 2-rank weights."""
+    cfg2, summary2 = runs[2]
+    root = tmp_path / "outputs"
+    for part in ("targets", "extract"):  # the same target and extraction: only training runs
+        shutil.copytree(cfg2.outputs / "cache" / part, root / "cache" / part, ignore=shutil.ignore_patterns("*.lock", ".job.json"))
+    command = [sys.executable, "-m", "orchestrator", "+experiment=tiny_eagle3", f"outputs_dir={root}", *FAST, *_overrides(2)]
+    first = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        found = []
+        while not found and first.poll() is None and time.monotonic() < deadline:
+            found = list((root / "cache" / "train").glob("*/checkpoints/latest.pt"))
+            time.sleep(0.1)
+        assert found, "no checkpoint before the driver ended"
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the driver and its local jobs, both ranks
+        first.wait()
+    killed_at = torch.load(found[0], weights_only=False)["step"]
+    assert 0 < killed_at < cfg2.train.max_steps, "the kill must land mid-run"
+    assert not (found[0].parent.parent / "manifest.json").exists()
+
+    again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    train_dir = found[0].parent.parent
+    logs = "".join(p.read_text(errors="replace") for p in root.rglob("jobs/*_log.*"))
+    assert logs.count(f"at step {killed_at}/{cfg2.train.max_steps}") == 2, logs[-3000:]  # each rank resumed there
+    resumed = load_file(str(train_dir / "draft" / "model.safetensors"))
+    uninterrupted = load_file(str(Path(summary2["stages"]["train"]["draft_dir"]) / "model.safetensors"))
+    assert resumed.keys() == uninterrupted.keys()
+    for name in resumed:
+        torch.testing.assert_close(resumed[name], uninterrupted[name], rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
 
 
 def test_only_rank_zero_writes(runs):

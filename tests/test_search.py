@@ -220,6 +220,27 @@ def test_pruned_trials_and_parent_run(outputs):
     assert "| 0 | L1-4-6 | complete (baseline) |" in parent.data.tags["mlflow.note.content"]
 
 
+def test_a_pruned_point_proposed_again_is_not_run_again(outputs):
+    """A sampler re-proposes points of a discrete space. A point that was pruned is pruned again with the same
+    reports (training is deterministic), and no job runs for it; a completed one gives its value again."""
+    name = "again"
+    two_points = ["search.slots=[[1,1],[4,5],[6,6]]", f"search.study_name={name}"]  # [1, 4, 6] and [1, 5, 6]
+    assert search.main(compose_search(outputs, *TRIAL, *two_points, "search.n_trials=1", "search/pruner=none")) == 0
+    study = _study(outputs, name)
+    for _ in range(2):
+        study.enqueue_trial({"slot_0": 1, "slot_1": 5, "slot_2": 6}, skip_if_exists=False)
+    study.enqueue_trial({"slot_0": 1, "slot_1": 4, "slot_2": 6}, skip_if_exists=False)
+    raw = compose_search(outputs, *TRIAL, *two_points, "search.n_trials=4", "search/pruner=threshold", "search.pruner.lower=1e9")
+    assert search.main(raw) == 0
+    trials = _study(outputs, name).trials
+    assert [(t.user_attrs["aux_layers"], t.state.name, t.user_attrs.get("duplicate_of")) for t in trials] == [
+        ([1, 4, 6], "COMPLETE", None), ([1, 5, 6], "PRUNED", None), ([1, 5, 6], "PRUNED", 1), ([1, 4, 6], "COMPLETE", 0)]
+    assert trials[2].intermediate_values == trials[1].intermediate_values == {8: trials[1].intermediate_values[8]}
+    assert trials[3].value == trials[0].value
+    folder = outputs / "search" / name / "trials"
+    assert sorted(p.name for p in folder.iterdir()) == ["0000", "0001"]  # no pipeline ran for the repeats
+
+
 @pytest.mark.slow
 def test_demo_search_finds_at_least_the_baseline(tmp_path):
     """The README's layer-search demo as a user runs it (minutes on 2 cores: outside the default suite): within

@@ -161,7 +161,7 @@ class DraftCache:
 
 @dataclass
 class Unrolled:
-    logits: list[torch.Tensor]  # per step [B, L, Vd]
+    logits: list[torch.Tensor]  # per step [B, L, Vd]; empty when `unroll` handed them to `on_step`
     tokens: list[torch.Tensor]  # per step [B, L] target ids of the draft's argmax
 
 
@@ -196,12 +196,16 @@ class Eagle3Draft(nn.Module):
         valid: torch.Tensor,
         steps: int,
         token_source: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
     ) -> Unrolled:
         """Drafts `steps` tokens from every position at once.
 
         aux [B, L, K*Ht] target states at t; next_ids [B, L] token t+1 (its embedding joins step 0); valid [B, L].
         `token_source(k, draft_tokens)` gives the token ids whose embeddings step k+1 consumes, [B, L]
         (teacher forcing: the text's token t+k+2; serving: the draft's own `draft_tokens`). None: own tokens.
+        `on_step(k, logits, tokens)`, when given, receives each step's logits as they are made, and they are not
+        kept (`Unrolled.logits` stays empty): training takes its loss there, so that no step's [B, L, Vd] logits
+        outlive it.
         """
         b, length, _ = aux.shape
         positions = torch.arange(length, device=aux.device).expand(b, length)
@@ -225,7 +229,10 @@ class Eagle3Draft(nn.Module):
             h = self.midlayer.finish(h, attn.out(ctx))
             logits = self.logits(h)
             tokens = self.to_target_ids(logits.argmax(-1))
-            out_logits.append(logits)
+            if on_step is None:
+                out_logits.append(logits)
+            else:
+                on_step(k, logits, tokens)
             out_tokens.append(tokens)
             if k + 1 < steps:
                 ids = tokens if token_source is None else token_source(k, tokens)

@@ -128,8 +128,9 @@ def collate(seqs: list[Sequence]) -> Batch:
 
 
 class TeacherHead(torch.nn.Module):
-    """The target's frozen final norm (for pre-norm teacher states) and lm_head, applied a block of vocabulary rows
-    at a time, so that no [B, L, vocabulary] logits tensor exists: a block holds at most `block_elements` logits."""
+    """The target's frozen final norm (for pre-norm teacher states) and lm_head. The teacher's logits are computed
+    only on the draft vocabulary's rows of the head; its argmax over the full vocabulary goes a block of rows at a
+    time, so that no [B, L, vocabulary] logits tensor exists: a block holds at most `block_elements` logits."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], teacher: str, eps: float, block_elements: int = 2**28):
         super().__init__()
@@ -142,17 +143,12 @@ class TeacherHead(torch.nn.Module):
         vocabulary [...] (a token outside the draft vocabulary is one the draft can never match)."""
         if self.teacher == "pre_norm":
             state = state * torch.rsqrt(state.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
+        kept_logits = state @ self.lm_head.index_select(0, kept).T
         vocab = self.lm_head.shape[0]
         rows = max(1, self.block_elements // max(1, state.shape[:-1].numel()))
-        kept_logits = best_value = best_id = None
+        best_value = best_id = None
         for start in range(0, vocab, rows):
-            logits = state @ self.lm_head[start : start + rows].T
-            if kept_logits is None:
-                kept_logits = logits.new_empty(*logits.shape[:-1], len(kept))
-            here = ((kept >= start) & (kept < start + rows)).nonzero().squeeze(1)
-            kept_logits.index_copy_(-1, here, logits.index_select(-1, kept[here] - start))
-            index = logits.argmax(-1)
-            value = logits.gather(-1, index[..., None]).squeeze(-1)
+            value, index = (state @ self.lm_head[start : start + rows].T).max(-1)
             if best_id is None:
                 best_value, best_id = value, index
             else:  # strictly greater: on a tie the lower id wins, as one argmax over the vocabulary would have it
@@ -161,12 +157,13 @@ class TeacherHead(torch.nn.Module):
         return kept_logits, best_id
 
 
-def ttt_step_targets(batch: Batch, teacher_logits: torch.Tensor, steps: int):
-    """Per TTT step k: (teacher logits, or any per-position teacher tensor [B, L, ...], at t+k+1, loss mask,
-    token t+k+1), over t in 0..L-2.
+def ttt_step_targets(batch: Batch, teacher: torch.Tensor, steps: int):
+    """Per TTT step k: (a per-position teacher tensor [B, L, ...] at t+k+1, e.g. its argmax ids, loss mask, token
+    t+k+1), over t in 0..L-2.
 
     Step k at t predicts the target's distribution at t+k+1 (the token t+k+2) from the embedding of token
-    t+k+1: the text's token under teacher forcing, the draft's own step k-1 token when served."""
+    t+k+1: the text's token under teacher forcing, the draft's own step k-1 token when served. Positions whose
+    t+k+1 falls past the batch's width are masked out (their teacher entry is the last position's)."""
     width = batch.ids.shape[1]
     length = width - 1
     t = torch.arange(length, device=batch.ids.device)
@@ -175,10 +172,8 @@ def ttt_step_targets(batch: Batch, teacher_logits: torch.Tensor, steps: int):
         pos = t + k + 1
         inside = pos[None, :] < batch.lengths[:, None]
         pos_c = pos.clamp(max=width - 1)
-        logits = teacher_logits[:, pos_c]
         mask = inside & batch.loss_mask[:, pos_c]
-        forced = batch.ids[:, (t + k + 1).clamp(max=width - 1)]
-        out.append((logits, mask, forced))
+        out.append((teacher[:, pos_c], mask, batch.ids[:, pos_c]))
     return out
 
 
@@ -188,37 +183,57 @@ def step_counts(batch: Batch, steps: int) -> torch.Tensor:
     return torch.stack([mask.sum() for _, mask, _ in ttt_step_targets(batch, batch.loss_mask, steps)]).cpu()
 
 
+# The rows of the counts `ttt_forward` returns, per TTT step: positions whose draft token is the teacher's argmax,
+# positions whose chain is right up to this step, loss-masked positions, and the summed cross-entropy.
+COUNT_ROWS = ("correct", "all_correct", "count", "ce_sum")
+
+
+def counts_dict(counts: torch.Tensor) -> dict[str, list[float]]:
+    """`ttt_forward`'s counts [4, steps] as {row name: per-step values} (one transfer to the host)."""
+    return dict(zip(COUNT_ROWS, counts.tolist()))
+
+
 def ttt_forward(draft: Eagle3Draft, head: TeacherHead, batch: Batch, steps: int, kept: torch.Tensor, weights: list[float],
                 own_tokens: bool = False, denominators: torch.Tensor | None = None):
-    """Loss and per-step accuracy counts of one batch: steps k >= 1 consume the text's tokens (teacher forcing,
-    for training) or, with `own_tokens`, the draft's own previous tokens as a serving engine does (validation).
+    """Loss and per-step counts of one batch: steps k >= 1 consume the text's tokens (teacher forcing, for
+    training) or, with `own_tokens`, the draft's own previous tokens as a serving engine does (validation).
 
     Step k's loss is its cross-entropy summed over the loss-masked positions and divided by `denominators[k]`:
     by default this batch's count of them; for a rank's share of a global batch, the global count times 1/N, so
-    that DDP's mean of the N ranks' gradients is the gradient of the global batch's loss."""
+    that DDP's mean of the N ranks' gradients is the gradient of the global batch's loss.
+
+    The counts are a float64 tensor [4, steps] on the batch's device (rows `COUNT_ROWS`), summed over ranks or
+    read with `counts_dict`: nothing in the step waits for the device. Memory: the teacher's distribution is one
+    softmax [B, W, Vd] whose shifted views are every step's target, and each step's loss is taken as the unroll
+    makes its logits, which are then dropped: at most one step's draft logits exist at a time."""
+    width = batch.ids.shape[1]
     with torch.no_grad():
         teacher_kept, teacher_best = head(batch.teacher, kept)
-    targets = ttt_step_targets(batch, teacher_kept, steps)
-    best = [t_best for t_best, _, _ in ttt_step_targets(batch, teacher_best, steps)]
-    valid = torch.arange(batch.ids.shape[1] - 1, device=batch.ids.device)[None, :] < (batch.lengths[:, None] - 1)
+        teacher_p = F.softmax(teacher_kept.float(), dim=-1)  # [B, W, Vd]: step k's target at t is row t+k+1
+        del teacher_kept
+    targets = ttt_step_targets(batch, teacher_best, steps)
+    valid = torch.arange(width - 1, device=batch.ids.device)[None, :] < (batch.lengths[:, None] - 1)
     source = None if own_tokens else (lambda k, _tokens: targets[k + 1][2])
-    unrolled = draft.unroll(batch.aux[:, :-1], batch.ids[:, 1:], valid, steps, token_source=source)
     loss = torch.zeros((), device=batch.ids.device)
-    stats = {"correct": [], "all_correct": [], "count": [], "ce_sum": []}
+    counts = torch.zeros(len(COUNT_ROWS), steps, dtype=torch.float64, device=batch.ids.device)
     chain_ok = None
-    for k, ((t_kept, mask, _), t_best, d_logits, d_tokens) in enumerate(zip(targets, best, unrolled.logits, unrolled.tokens)):
-        p = F.softmax(t_kept, dim=-1)
-        ce = -(p * F.log_softmax(d_logits.float(), dim=-1)).sum(-1)
+
+    def step_loss(k: int, d_logits: torch.Tensor, d_tokens: torch.Tensor) -> None:
+        nonlocal loss, chain_ok
+        t_best, mask, _ = targets[k]
+        n = max(0, width - 1 - k)  # positions t with t+k+1 inside the batch's width: the others are masked out
+        p = teacher_p[:, k + 1 : k + 1 + n]
+        ce = -(p * F.log_softmax(d_logits[:, :n].float(), dim=-1)).sum(-1)
+        inside = mask[:, :n]
         denom = mask.sum().clamp(min=1) if denominators is None else denominators[k]
-        masked = (ce * mask).sum()
+        masked = (ce * inside).sum()
         loss = loss + weights[k] * masked / denom
-        stats["ce_sum"].append(float(masked.detach()))
         right = d_tokens == t_best
         chain_ok = right if chain_ok is None else chain_ok & right
-        stats["correct"].append(int((right & mask).sum()))
-        stats["all_correct"].append(int((chain_ok & mask).sum()))
-        stats["count"].append(int(mask.sum()))
-    return loss, stats
+        counts[:, k] = torch.stack([x.to(counts.dtype) for x in ((right & mask).sum(), (chain_ok & mask).sum(), mask.sum(), masked.detach())])
+
+    draft.unroll(batch.aux[:, :-1], batch.ids[:, 1:], valid, steps, token_source=source, on_step=step_loss)
+    return loss, counts
 
 
 def summarize(stats_list: list[dict], steps: int, draft_steps: int) -> dict[str, float]:
@@ -257,15 +272,15 @@ def evaluate(draft, head, seqs, steps, kept, weights, batch_size, draft_steps, c
     step's cross-entropy averaged over all the split's positions, weighted as in training."""
     draft.eval()
     mine = list(range(compute.rank, len(seqs), compute.world_size))
-    totals = torch.zeros(4, steps, dtype=torch.float64)  # correct, all_correct, count, ce_sum
+    totals = torch.zeros(len(COUNT_ROWS), steps, dtype=torch.float64)
     with torch.no_grad():
         for i in range(0, len(mine), batch_size):
             batch = collate([seqs[j] for j in mine[i : i + batch_size]]).to(compute.device)
-            _, s = ttt_forward(draft, head, batch, steps, kept, weights, own_tokens=True)
-            totals += torch.tensor([s["correct"], s["all_correct"], s["count"], s["ce_sum"]], dtype=torch.float64)
+            _, counts = ttt_forward(draft, head, batch, steps, kept, weights, own_tokens=True)
+            totals += counts.cpu()
     totals = compute.all_reduce_sum(totals)
     draft.train()
-    merged = {name: totals[i].tolist() for i, name in enumerate(("correct", "all_correct", "count", "ce_sum"))}
+    merged = counts_dict(totals)
     loss = sum(w * c / max(n, 1) for w, c, n in zip(weights, merged["ce_sum"], merged["count"]))
     return {"loss": loss} | summarize([merged], steps, draft_steps)
 
@@ -403,24 +418,23 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
     upcoming = prefetch.submit(load_batch, step) if step < total else None
     while step < total:
-        batch, counts = upcoming.result()
+        host_batch, counts = upcoming.result()
         upcoming = prefetch.submit(load_batch, step + 1) if step + 1 < total else None
-        batch = batch.to(compute.device)
-        denominators = compute.all_reduce_sum(step_counts(batch, steps)).clamp(min=1) / compute.world_size
+        batch = host_batch.to(compute.device)  # the counts below come from the host copy: no wait on the device
+        denominators = compute.all_reduce_sum(step_counts(host_batch, steps)).clamp(min=1) / compute.world_size
         for group in optim.param_groups:
             group["lr"] = lr_at(step, total, tc)
         loss, stats = optimizer_step(model, head, batch, steps, kept, weights, denominators.to(compute.device), optim,
                                      params, tc.grad_clip, bf16)
         step += 1
-        tokens += int(batch.lengths.sum()) if counts else 0
+        tokens += int(host_batch.lengths.sum()) if counts else 0
         bar.update(1)
         if step % tc.log_every == 0 or step == total:
             # the step's loss and teacher-forced counts, and the window's tokens, summed over ranks: the global batch's
-            summed = compute.all_reduce_sum(torch.tensor(
-                [float(loss.detach()) / compute.world_size, tokens]
-                + [stats[name][k] for name in ("correct", "all_correct", "count") for k in range(steps)], dtype=torch.float64))
+            summed = compute.all_reduce_sum(torch.cat([
+                torch.tensor([float(loss.detach()) / compute.world_size, tokens], dtype=torch.float64), stats.cpu().flatten()]))
             elapsed = time.time() - window_started
-            last = {name: summed[2 + i * steps : 2 + (i + 1) * steps].tolist() for i, name in enumerate(("correct", "all_correct", "count"))}
+            last = counts_dict(summed[2:].view(len(COUNT_ROWS), steps))
             teacher_forced = summarize([last], steps, draft_steps)
             if compute.is_main:
                 tracker.train_step(step, float(summed[0]), optim.param_groups[0]["lr"], float(summed[1]) / max(elapsed, 1e-9), teacher_forced)

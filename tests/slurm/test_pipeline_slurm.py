@@ -210,3 +210,41 @@ def test_training_as_a_two_task_job_reaches_the_one_task_weights(slurm_outputs):
         torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
     second_task = list(Path(summaries["two"]["run_dir"], "jobs").glob("*_1_log.out"))  # the train job's task 1
     assert second_task and "global_rank=1(2)" in second_task[0].read_text(errors="replace")
+
+
+def sacct_times(job_ids: list[str]) -> dict[str, tuple[str, str]]:
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,Start,End", "-j", ",".join(job_ids)], capture_output=True, text=True).stdout
+    return {job: (start, end) for job, start, end in (line.split("|") for line in out.splitlines() if line.count("|") == 2)}
+
+
+def test_layer_search_runs_trials_as_parallel_slurm_jobs(slurm_outputs):
+    """`search.n_jobs=2` on Slurm: the union is extracted once, then two trials' chains (train, eval) are jobs at the
+    same time, side by side on the node's two CPUs; both trials complete, in Optuna and as MLflow child runs."""
+    import optuna
+
+    name = "slurm-search"
+    proc = cli(slurm_outputs, "+experiment=tiny_eagle3", "+search=tiny_llama", *SLURM_FAST, "train.max_steps=12",
+               "stages=[extract,train,eval]", f"search.study_name={name}", "search.n_trials=2", "search.n_jobs=2",
+               "search/pruner=none", timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    folder = slurm_outputs / "search" / name
+    study = optuna.load_study(study_name=name, storage=f"sqlite:///{folder / 'optuna.db'}")
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 2
+    assert study.trials[0].user_attrs["aux_layers"] == [1, 4, 6] and study.trials[1].user_attrs["aux_layers"] != [1, 4, 6]
+    union = json.loads((folder / "extract" / "jobs.json").read_text())
+    trials = [json.loads((folder / "trials" / f"{n:04d}" / "jobs.json").read_text()) for n in (0, 1)]
+    assert set(union) == {"extract"} and all(set(t) == {"train", "eval"} for t in trials), (union, trials)
+    jobs = [union["extract"]] + [j for t in trials for j in t.values()]
+    assert set(wait_terminal(jobs).values()) == {"COMPLETED"}
+    times = sacct_times(jobs)
+    # sacct's ISO times compare as strings: trial 1's chain started before trial 0's ended, and both after the union
+    first = (min(times[j][0] for j in trials[0].values()), max(times[j][1] for j in trials[0].values()))
+    second = (min(times[j][0] for j in trials[1].values()), max(times[j][1] for j in trials[1].values()))
+    assert min(first[0], second[0]) >= times[union["extract"]][1], (times, union, trials)
+    assert first[0] < second[1] and second[0] < first[1], f"the trials ran one after the other: {times}"
+    summary = json.loads((folder / "search.json").read_text())
+    client = MlflowClient(summary["tracking_uri"])
+    children = client.search_runs([client.get_run(summary["mlflow_parent_run_id"]).info.experiment_id],
+                                  f"tags.`mlflow.parentRunId` = '{summary['mlflow_parent_run_id']}'")
+    states = sorted(r.data.tags.get("search.trial_state", "") for r in children if "search.trial" in r.data.tags)
+    assert states == ["complete", "complete"], [(r.info.run_name, r.data.tags) for r in children]
