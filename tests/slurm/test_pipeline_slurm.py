@@ -231,16 +231,22 @@ def test_layer_search_runs_trials_as_parallel_slurm_jobs(slurm_outputs):
     study = optuna.load_study(study_name=name, storage=f"sqlite:///{folder / 'optuna.db'}")
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 2
     assert study.trials[0].user_attrs["aux_layers"] == [1, 4, 6] and study.trials[1].user_attrs["aux_layers"] != [1, 4, 6]
-    union = json.loads((folder / "extract" / "jobs.json").read_text())
-    trials = [json.loads((folder / "trials" / f"{n:04d}" / "jobs.json").read_text()) for n in (0, 1)]
-    assert set(union) == {"extract"} and all(set(t) == {"train", "eval"} for t in trials), (union, trials)
-    jobs = [union["extract"]] + [j for t in trials for j in t.values()]
+    def job_ids(run_dir: Path) -> list[str]:  # the driver waited for them: submitit's files name them
+        return sorted({p.name.split("_")[0] for p in (run_dir / "jobs").glob("*_submitted.pkl")})
+
+    union = job_ids(folder / "extract")
+    trials = [job_ids(folder / "trials" / f"{n:04d}") for n in (0, 1)]
+    assert len(union) == 1 and [len(t) for t in trials] == [2, 2], (union, trials)  # extract once; train, eval per trial
+    jobs = union + trials[0] + trials[1]
     assert set(wait_terminal(jobs).values()) == {"COMPLETED"}
-    times = sacct_times(jobs)
-    # sacct's ISO times compare as strings: trial 1's chain started before trial 0's ended, and both after the union
-    first = (min(times[j][0] for j in trials[0].values()), max(times[j][1] for j in trials[0].values()))
-    second = (min(times[j][0] for j in trials[1].values()), max(times[j][1] for j in trials[1].values()))
-    assert min(first[0], second[0]) >= times[union["extract"]][1], (times, union, trials)
+    from datetime import datetime, timedelta
+
+    times = {j: tuple(datetime.fromisoformat(t) for t in span) for j, span in sacct_times(jobs).items()}
+    # trial 1's chain started before trial 0's ended, and both after the union (sacct's end includes the job's
+    # epilog and is in whole seconds: the driver's next submission can start a second or two before it)
+    first = (min(times[j][0] for j in trials[0]), max(times[j][1] for j in trials[0]))
+    second = (min(times[j][0] for j in trials[1]), max(times[j][1] for j in trials[1]))
+    assert min(first[0], second[0]) >= times[union[0]][1] - timedelta(seconds=3), (times, union, trials)
     assert first[0] < second[1] and second[0] < first[1], f"the trials ran one after the other: {times}"
     summary = json.loads((folder / "search.json").read_text())
     client = MlflowClient(summary["tracking_uri"])
