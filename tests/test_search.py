@@ -220,6 +220,25 @@ def test_pruned_trials_and_parent_run(outputs):
     assert "| 0 | L1-4-6 | complete (baseline) |" in parent.data.tags["mlflow.note.content"]
 
 
+def test_hydra_sweeper_optuna_runs_the_layer_search(outputs, tmp_path):
+    """`-m hydra/sweeper=optuna` (hydra_plugins/eagle_orchestrator_search) is the same study as `+search=`: a grid
+    inside it and a missing space are refused before anything runs; a one-trial study completes."""
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "orchestrator", "-m", "hydra/sweeper=optuna", "+experiment=tiny_eagle3",
+                               f"outputs_dir={outputs}", *FAST, *args], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+
+    grid = cli("+search=tiny_llama", "aux_layers=[1,4,6],[0,3,6]")
+    assert grid.returncode == 2 and "aux_layers=[1,4,6],[0,3,6]: the layer search samples aux_layers" in grid.stderr, grid.stderr
+    bare = cli()
+    assert bare.returncode == 2 and "add +search=<space>" in bare.stderr, bare.stderr
+    name = "sweeper"
+    run = cli("+search=tiny_llama", *TRIAL, f"search.study_name={name}", "search.n_trials=1", "search/pruner=none")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "54 points the serving engine can capture" in run.stdout
+    trials = _study(outputs, name).trials
+    assert [(t.user_attrs["aux_layers"], t.state.name) for t in trials] == [([1, 4, 6], "COMPLETE")]
+
+
 def test_a_pruned_point_proposed_again_is_not_run_again(outputs):
     """A sampler re-proposes points of a discrete space. A point that was pruned is pruned again with the same
     reports (training is deterministic), and no job runs for it; a completed one gives its value again."""
