@@ -254,3 +254,29 @@ def test_layer_search_runs_trials_as_parallel_slurm_jobs(slurm_outputs):
                                   f"tags.`mlflow.parentRunId` = '{summary['mlflow_parent_run_id']}'")
     states = sorted(r.data.tags.get("search.trial_state", "") for r in children if "search.trial" in r.data.tags)
     assert states == ["complete", "complete"], [(r.info.run_name, r.data.tags) for r in children]
+
+
+def test_two_task_training_requeued_on_sigusr2_resumes_on_both_ranks(slurm_outputs):
+    """Slurm's pre-emption signal to a 2-task DDP training job: submitit requeues it, both tasks start again under
+    the same job id, both resume from rank 0's checkpoint, and the job completes."""
+    common = ["+experiment=tiny_eagle3", *SLURM_FAST]
+    proc = cli(slurm_outputs, *common, "cluster.wait=true", "train.max_steps=12", "stages=[extract]", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    long_train = ["stages=[extract,train]", "train.max_steps=30", "train.checkpoint_every=5", "train.resources.timeout_min=60",
+                  "train.resources.tasks_per_node=2"]
+    proc = cli(slurm_outputs, *common, *long_train)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = sorted(slurm_outputs.rglob("jobs.json"), key=lambda p: p.stat().st_mtime)[-1]
+    job_id = json.loads(record.read_text())["train"]
+    checkpoint = next((slurm_outputs / "cache" / "train").iterdir()) / "checkpoints" / "latest.pt"
+    deadline = time.monotonic() + 600
+    while not checkpoint.exists() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert checkpoint.exists()
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    states = wait_terminal([job_id], timeout=900)
+    assert states[job_id] == "COMPLETED", states
+    logs = {p.name: p.read_text(errors="replace") for p in record.parent.glob(f"jobs/{job_id}_*_log.out")}
+    assert sorted(logs) == [f"{job_id}_0_log.out", f"{job_id}_1_log.out"], sorted(logs)
+    assert all("resumed from" in text for text in logs.values()), {k: v[-2000:] for k, v in logs.items()}
+    assert (checkpoint.parent.parent / "manifest.json").exists()
