@@ -161,12 +161,14 @@ def test_sweep_fans_out_then_is_cached_and_a_failing_point_is_isolated(slurm_out
     assert failed_runs and "no config.json" in failed_runs[0].data.tags.get("error", "")
 
 
-def test_training_requeued_on_sigusr2_resumes_from_checkpoint(slurm_outputs):
-    common = ["+experiment=tiny_eagle3", *SLURM_FAST, "cluster.wait=true"]
-    proc = cli(slurm_outputs, *common, "train.max_steps=12", "stages=[extract]", timeout=900)
+def requeued_training(slurm_outputs: Path, *extra: str) -> tuple[str, Path, Path]:
+    """Extraction, then a 30-step training job sent Slurm's pre-emption signal (SIGUSR2) once it has a checkpoint,
+    waited for until it completes: (job id, its jobs.json, the checkpoint)."""
+    common = ["+experiment=tiny_eagle3", *SLURM_FAST]
+    proc = cli(slurm_outputs, *common, "cluster.wait=true", "train.max_steps=12", "stages=[extract]", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     long_train = ["stages=[extract,train]", "train.max_steps=30", "train.checkpoint_every=5", "train.resources.timeout_min=60"]
-    proc = cli(slurm_outputs, "+experiment=tiny_eagle3", *SLURM_FAST, *long_train)
+    proc = cli(slurm_outputs, *common, *long_train, *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = sorted(slurm_outputs.rglob("jobs.json"), key=lambda p: p.stat().st_mtime)[-1]
     job_id = json.loads(record.read_text())["train"]
@@ -177,10 +179,15 @@ def test_training_requeued_on_sigusr2_resumes_from_checkpoint(slurm_outputs):
     assert checkpoint.exists()
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     states = wait_terminal([job_id], timeout=900)
-    assert states[job_id] == "COMPLETED"
+    assert states[job_id] == "COMPLETED", states
+    assert (checkpoint.parent.parent / "manifest.json").exists()
+    return job_id, record, checkpoint
+
+
+def test_training_requeued_on_sigusr2_resumes_from_checkpoint(slurm_outputs):
+    job_id, record, _ = requeued_training(slurm_outputs)
     logs = "".join(p.read_text(errors="replace") for p in record.parent.glob(f"jobs/{job_id}_*"))
     assert "resumed from" in logs, logs[-3000:]
-    assert (checkpoint.parent.parent / "manifest.json").exists()
 
 
 def test_training_as_a_two_task_job_reaches_the_one_task_weights(slurm_outputs):
@@ -259,24 +266,7 @@ def test_layer_search_runs_trials_as_parallel_slurm_jobs(slurm_outputs):
 def test_two_task_training_requeued_on_sigusr2_resumes_on_both_ranks(slurm_outputs):
     """Slurm's pre-emption signal to a 2-task DDP training job: submitit requeues it, both tasks start again under
     the same job id, both resume from rank 0's checkpoint, and the job completes."""
-    common = ["+experiment=tiny_eagle3", *SLURM_FAST]
-    proc = cli(slurm_outputs, *common, "cluster.wait=true", "train.max_steps=12", "stages=[extract]", timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    long_train = ["stages=[extract,train]", "train.max_steps=30", "train.checkpoint_every=5", "train.resources.timeout_min=60",
-                  "train.resources.tasks_per_node=2"]
-    proc = cli(slurm_outputs, *common, *long_train)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    record = sorted(slurm_outputs.rglob("jobs.json"), key=lambda p: p.stat().st_mtime)[-1]
-    job_id = json.loads(record.read_text())["train"]
-    checkpoint = next((slurm_outputs / "cache" / "train").iterdir()) / "checkpoints" / "latest.pt"
-    deadline = time.monotonic() + 600
-    while not checkpoint.exists() and time.monotonic() < deadline:
-        time.sleep(1)
-    assert checkpoint.exists()
-    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-    states = wait_terminal([job_id], timeout=900)
-    assert states[job_id] == "COMPLETED", states
+    job_id, record, _ = requeued_training(slurm_outputs, "train.resources.tasks_per_node=2")
     logs = {p.name: p.read_text(errors="replace") for p in record.parent.glob(f"jobs/{job_id}_*_log.out")}
     assert sorted(logs) == [f"{job_id}_0_log.out", f"{job_id}_1_log.out"], sorted(logs)
     assert all("resumed from" in text for text in logs.values()), {k: v[-2000:] for k, v in logs.items()}
-    assert (checkpoint.parent.parent / "manifest.json").exists()
