@@ -30,6 +30,7 @@ needs two more wheels, omegaconf and antlr4-python3-runtime==4.9.3, because `orc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
@@ -286,7 +287,7 @@ def _mem_tracker_class():
     return FrozenAware
 
 
-def estimate_memory(shape_name: str, seq: int, seed: int, steps: int = 2) -> dict[str, Any]:
+def estimate_memory(shape_name: str, seq: int, seed: int, steps: int = 2, fake: bool = True) -> dict[str, Any]:
     """The project's peak memory at one sequence length without a GPU: `steps` optimizer steps (the second one
     holds the optimizer's state beside the activations) run on fake tensors (torch's FakeTensorMode: shapes and
     dtypes, no data, no arithmetic) while torch's own MemTracker (torch.distributed._tools) records every live
@@ -294,7 +295,8 @@ def estimate_memory(shape_name: str, seq: int, seed: int, steps: int = 2) -> dic
     SDPA held to its flash kernel, the one CUDA picks for the bf16 TTT attention, so the attention keeps its
     output and log-sum-exp, not an [L, L] score tensor. Fake CUDA tensors need a CUDA build of torch, so the
     tensors are fake CPU ones under CPU autocast; the CUDA caching allocator's rounding and fragmentation and
-    the kernels' workspaces are not in the figure."""
+    the kernels' workspaces are not in the figure. `fake=False` runs the same on real CPU tensors (a test compares
+    the two at a small shape)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -302,7 +304,7 @@ def estimate_memory(shape_name: str, seq: int, seed: int, steps: int = 2) -> dic
     s = shape_of(shape_name, seq)
     cpu = torch.device("cpu")
     mapping = vocab_map(s, seed)
-    with FakeTensorMode(allow_non_fake_inputs=True), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         data = synthetic(s, seq, cpu, seed, mapping)
         held: list = []
         step = project_step(s, data, cpu, torch.bfloat16, seed, held)
