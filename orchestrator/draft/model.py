@@ -60,7 +60,14 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        out = self.weight * x.to(dtype)
+        # Under autocast (float32 weights, bf16 compute) the product is float32, and every linear it feeds would
+        # cast it and keep its own bf16 copy: hand them one (4 GiB less at Kimi's shape, seq 8192). The linears
+        # compute with the same values; the gradients they send back meet in bf16 rather than float32, as in a
+        # draft with bf16 weights (SpecForge's).
+        if torch.is_autocast_enabled(x.device.type):
+            return out.to(torch.get_autocast_dtype(x.device.type))
+        return out
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
