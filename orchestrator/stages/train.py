@@ -183,26 +183,6 @@ def step_counts(batch: Batch, steps: int) -> torch.Tensor:
     return torch.stack([mask.sum() for _, mask, _ in ttt_step_targets(batch, batch.loss_mask, steps)]).cpu()
 
 
-class SoftTargetCrossEntropy(torch.autograd.Function):
-    """Per position, -(p * log_softmax(z)).sum(-1) for the teacher's probabilities p (no gradient) and the draft's
-    logits z, keeping only z in its own dtype (bf16 under autocast) and the log-sum-exp for the backward.
-    `F.cross_entropy` with probability targets keeps the float32 log-softmax instead: at Kimi's shape, 1 GiB per
-    TTT step at seq 8192. The gradient is softmax(z) * sum(p) - p, in float32."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logits computed on in float32
-        lse = torch.logsumexp(z, dim=-1, keepdim=True)
-        ctx.save_for_backward(logits, p, lse)
-        return (p * (lse - z)).sum(-1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        logits, p, lse = ctx.saved_tensors
-        g = torch.exp(logits.to(lse.dtype) - lse).mul_(p.sum(-1, keepdim=True)).sub_(p).mul_(grad[..., None])
-        return g.to(logits.dtype), None
-
-
 # The rows of the counts `ttt_forward` returns, per TTT step: positions whose draft token is the teacher's argmax,
 # positions whose chain is right up to this step, loss-masked positions, and the summed cross-entropy.
 COUNT_ROWS = ("correct", "all_correct", "count", "ce_sum")
@@ -243,7 +223,7 @@ def ttt_forward(draft: Eagle3Draft, head: TeacherHead, batch: Batch, steps: int,
         t_best, mask, _ = targets[k]
         n = max(0, width - 1 - k)  # positions t with t+k+1 inside the batch's width: the others are masked out
         p = teacher_p[:, k + 1 : k + 1 + n]
-        ce = SoftTargetCrossEntropy.apply(d_logits[:, :n], p)
+        ce = -(p * F.log_softmax(d_logits[:, :n].float(), dim=-1)).sum(-1)
         inside = mask[:, :n]
         denom = mask.sum().clamp(min=1) if denominators is None else denominators[k]
         masked = (ce * inside).sum()
