@@ -419,8 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 200)
 
     rows = []
-    if args.estimate_memory:
-        rows += [estimate_memory(args.shape, seq, args.seed) for seq in args.seqs]
+    for seq in args.seqs if args.estimate_memory else []:
+        try:
+            rows.append(estimate_memory(args.shape, seq, args.seed))
+        except Exception as exc:  # e.g. an older torch without MemTracker on the GPU machine: the timing still runs
+            rows.append(skipped(f"{PROJECT} (memory estimate)", seq, f"{type(exc).__name__}: {exc}"))
     for seq in args.seqs if args.steps > 0 else []:  # --steps 0: the estimate alone (what a CPU gives at Kimi's shape)
         s = shape_of(args.shape, seq)
         flops = flops_per_token(s, seq)
