@@ -118,7 +118,10 @@ def setup(precision: str, gpus_per_node: int, timeout_min: int, what: str) -> Co
             if devices[0].type == "cuda":
                 torch.cuda.set_device(devices[0])
             torch.distributed.init_process_group(
-                backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=timeout_min),
+                backend,
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(minutes=timeout_min),
                 device_id=devices[0] if devices[0].type == "cuda" else None,
             )
             owns = True

@@ -297,7 +297,9 @@ def validate(cfg: RootConfig) -> None:
     t = cfg.target
     check(t.family in FAMILIES, f"target.family={t.family!r}: expected one of {FAMILIES}")
     check(t.num_hidden_layers >= 2, f"target.num_hidden_layers={t.num_hidden_layers}: expected >= 2")
-    check(t.path is not None or t.tiny is not None, f"target {t.name!r}: set target.path (an HF model dir) or target.tiny")
+    check(
+        t.path is not None or t.tiny is not None, f"target {t.name!r}: set target.path (an HF model dir) or target.tiny"
+    )
     try:
         layer_contract.validate_canonical(cfg.aux_layers, t.num_hidden_layers)
     except layer_contract.LayerContractError as exc:
@@ -328,7 +330,10 @@ def validate(cfg: RootConfig) -> None:
     check(r.temperature >= 0, f"data.regenerate.temperature={r.temperature}: expected >= 0 (0 = greedy)")
     check(r.batch_size >= 1, f"data.regenerate.batch_size={r.batch_size}: expected >= 1")
     check_regenerate(cfg)
-    check(cfg.extract.teacher in layer_contract.TEACHER_KINDS, f"extract.teacher={cfg.extract.teacher!r}: expected one of {layer_contract.TEACHER_KINDS}")
+    check(
+        cfg.extract.teacher in layer_contract.TEACHER_KINDS,
+        f"extract.teacher={cfg.extract.teacher!r}: expected one of {layer_contract.TEACHER_KINDS}",
+    )
     check(cfg.extract.dtype in DTYPES, f"extract.dtype={cfg.extract.dtype!r}: expected one of {DTYPES}")
     check(cfg.draft.torch_dtype in DTYPES, f"draft.torch_dtype={cfg.draft.torch_dtype!r}: expected one of {DTYPES}")
     check(cfg.train.ttt_steps >= 1, f"train.ttt_steps={cfg.train.ttt_steps}: expected >= 1")
@@ -337,12 +342,21 @@ def validate(cfg: RootConfig) -> None:
     for stage in STAGES:
         check_resources(cfg, stage)
     vd = cfg.draft.draft_vocab_size
-    check(vd is None or 0 < vd <= t.vocab_size, f"draft.draft_vocab_size={vd}: expected 1..target.vocab_size={t.vocab_size} or null")
+    check(
+        vd is None or 0 < vd <= t.vocab_size,
+        f"draft.draft_vocab_size={vd}: expected 1..target.vocab_size={t.vocab_size} or null",
+    )
     s = cfg.serve
     check_speculative_args(s)
     check(s.repeats >= 1, f"serve.repeats={s.repeats}: expected >= 1")
-    check(s.prompts >= 1 and s.max_new_tokens >= 1, f"serve.prompts={s.prompts}, serve.max_new_tokens={s.max_new_tokens}: expected >= 1 each")
-    check(bool(s.concurrency) and min(s.concurrency) >= 1, f"serve.concurrency={s.concurrency}: expected a non-empty list of levels >= 1")
+    check(
+        s.prompts >= 1 and s.max_new_tokens >= 1,
+        f"serve.prompts={s.prompts}, serve.max_new_tokens={s.max_new_tokens}: expected >= 1 each",
+    )
+    check(
+        bool(s.concurrency) and min(s.concurrency) >= 1,
+        f"serve.concurrency={s.concurrency}: expected a non-empty list of levels >= 1",
+    )
     if s.engine == "reference":
         check(s.eagle_topk == 1, f"serve.eagle_topk={s.eagle_topk}: the reference engine drafts a chain (topk 1)")
     try:
@@ -359,7 +373,9 @@ def check_resources(cfg: RootConfig, stage: str) -> None:
     node = getattr(cfg, stage)
     r = node.resources
     if node.precision not in PRECISIONS:
-        raise ConfigError(f"{stage}.precision={node.precision!r}: expected one of {PRECISIONS} (auto: bfloat16 on GPUs, float32 on CPUs)")
+        raise ConfigError(
+            f"{stage}.precision={node.precision!r}: expected one of {PRECISIONS} (auto: bfloat16 on GPUs, float32 on CPUs)"
+        )
     for key in ("nodes", "cpus_per_task", "timeout_min"):
         if getattr(r, key) < 1:
             raise ConfigError(f"{stage}.resources.{key}={getattr(r, key)}: expected >= 1")
@@ -374,14 +390,23 @@ def check_resources(cfg: RootConfig, stage: str) -> None:
             f"whole number of GPUs; use a divisor of {r.gpus_per_node}"
         )
     if cfg.cluster.kind != "slurm" and r.nodes > 1:
-        raise ConfigError(f"{stage}.resources.nodes={r.nodes} with cluster.kind={cfg.cluster.kind}: only a Slurm cluster has several nodes")
+        raise ConfigError(
+            f"{stage}.resources.nodes={r.nodes} with cluster.kind={cfg.cluster.kind}: only a Slurm cluster has several nodes"
+        )
     if cfg.cluster.kind == "debug" and tasks > 1:
         raise ConfigError(
             f"{stage}.resources.tasks_per_node={tasks} with cluster=debug, which runs each stage in this process: "
             "use cluster=local to run several ranks"
         )
     regen = cfg.data.regenerate
-    if stage == "extract" and regen.enabled and regen.engine == "server" and regen.url is None and r.gpus_per_node and tasks > 1:
+    if (
+        stage == "extract"
+        and regen.enabled
+        and regen.engine == "server"
+        and regen.url is None
+        and r.gpus_per_node
+        and tasks > 1
+    ):
         raise ConfigError(
             f"data.regenerate.engine=server with data.regenerate.url=null starts a serving engine in each extract task "
             f"on the node's GPUs, but extract.resources.tasks_per_node={tasks} tasks would share them: set "
@@ -427,7 +452,9 @@ def check_data(d: DataConfig) -> None:
             )
         return
     if not d.train_files:
-        raise ConfigError("data.train_files=[]: data=jsonl needs at least one file, e.g. data.train_files=[chats.jsonl]")
+        raise ConfigError(
+            "data.train_files=[]: data=jsonl needs at least one file, e.g. data.train_files=[chats.jsonl]"
+        )
     if d.val_files and d.val_fraction is not None:
         raise ConfigError(
             f"data.val_files={d.val_files} and data.val_fraction={d.val_fraction}: take validation from the files "
@@ -452,9 +479,13 @@ def check_regenerate(cfg: RootConfig) -> None:
 
     r = cfg.data.regenerate
     if r.engine not in REGENERATE_ENGINES:
-        raise ConfigError(f"data.regenerate.engine={r.engine!r}: expected one of {REGENERATE_ENGINES} (hf: in process, server: an endpoint)")
+        raise ConfigError(
+            f"data.regenerate.engine={r.engine!r}: expected one of {REGENERATE_ENGINES} (hf: in process, server: an endpoint)"
+        )
     if r.api not in REGENERATE_APIS:
-        raise ConfigError(f"data.regenerate.api={r.api!r}: expected one of {REGENERATE_APIS} (SGLang's /generate, OpenAI's /v1/completions)")
+        raise ConfigError(
+            f"data.regenerate.api={r.api!r}: expected one of {REGENERATE_APIS} (SGLang's /generate, OpenAI's /v1/completions)"
+        )
     if r.concurrency < 1:
         raise ConfigError(f"data.regenerate.concurrency={r.concurrency}: expected >= 1 requests in flight")
     if r.url is not None:
@@ -468,7 +499,13 @@ def check_regenerate(cfg: RootConfig) -> None:
             port_ok = parts.port is None or parts.port > 0
         except ValueError:
             port_ok = False
-        if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok or parts.path.strip("/") or parts.query:
+        if (
+            parts.scheme not in ("http", "https")
+            or not parts.hostname
+            or not port_ok
+            or parts.path.strip("/")
+            or parts.query
+        ):
             raise ConfigError(
                 f"data.regenerate.url={r.url!r}: expected the server's base URL, http(s)://HOST[:PORT] without a path "
                 f"(the requests go to {'/generate' if r.api == 'generate' else '/v1/completions'} under it)"
@@ -492,7 +529,9 @@ def check_speculative_args(s: ServeConfig) -> None:
             f"serve.num_steps+1={s.num_steps + 1}; set serve.num_draft_tokens={s.num_steps + 1} so the config says what runs"
         )
     if s.num_draft_tokens < 2:
-        raise ConfigError(f"serve.num_draft_tokens={s.num_draft_tokens}: expected >= 2 (the verified root plus at least one draft token)")
+        raise ConfigError(
+            f"serve.num_draft_tokens={s.num_draft_tokens}: expected >= 2 (the verified root plus at least one draft token)"
+        )
 
 
 def extract_storage(cfg: RootConfig) -> dict[str, Any]:
@@ -503,8 +542,14 @@ def extract_storage(cfg: RootConfig) -> dict[str, Any]:
     per_token = states * cfg.target.hidden_size * dtype_bytes + 5  # int32 id + uint8 loss mask
     conversations = cfg.data.max_train_conversations + cfg.data.max_val_conversations
     tokens = conversations * cfg.data.max_seq_len
-    return {"conversations": conversations, "max_tokens": tokens, "states_per_token": states,
-            "bytes_per_token": per_token, "max_bytes": tokens * per_token, "limit_bytes": cfg.extract.max_bytes}
+    return {
+        "conversations": conversations,
+        "max_tokens": tokens,
+        "states_per_token": states,
+        "bytes_per_token": per_token,
+        "max_bytes": tokens * per_token,
+        "limit_bytes": cfg.extract.max_bytes,
+    }
 
 
 def captured_layers(cfg: RootConfig) -> list[int]:

@@ -14,9 +14,19 @@ Conversation = list[dict[str, str]]
 # Per format: the conversation's key, each turn's speaker and text keys, and the speaker names it uses.
 FORMATS = {
     "openai": ("messages", "role", "content", {"system": "system", "user": "user", "assistant": "assistant"}),
-    "sharegpt": ("conversations", "from", "value", {
-        "system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-    }),
+    "sharegpt": (
+        "conversations",
+        "from",
+        "value",
+        {
+            "system": "system",
+            "human": "user",
+            "user": "user",
+            "gpt": "assistant",
+            "assistant": "assistant",
+            "chatgpt": "assistant",
+        },
+    ),
 }
 
 
@@ -46,9 +56,13 @@ def conversations(data: DataConfig, seed: int) -> tuple[list, list]:
 def jsonl_conversations(data: DataConfig, seed: int) -> tuple[list[Conversation], list[Conversation]]:
     """(train, val) from the user's files: `val_files`, or else a seeded `val_fraction` of the train files'
     conversations; each split keeps file order."""
-    train = [c for i, f in enumerate(data.train_files) for c in read_conversations(f, data.format, f"data.train_files[{i}]")]
+    train = [
+        c for i, f in enumerate(data.train_files) for c in read_conversations(f, data.format, f"data.train_files[{i}]")
+    ]
     if data.val_files:
-        val = [c for i, f in enumerate(data.val_files) for c in read_conversations(f, data.format, f"data.val_files[{i}]")]
+        val = [
+            c for i, f in enumerate(data.val_files) for c in read_conversations(f, data.format, f"data.val_files[{i}]")
+        ]
         return train, val
     if len(train) < 2:
         raise DataFileError(
@@ -103,7 +117,9 @@ def parse_conversation(line: str, fmt: str, where: str) -> Conversation:
     for i, turn in enumerate(turns):
         at = f"{turns_key}[{i}]"
         if not isinstance(turn, dict):
-            raise fail(f"{at} is a JSON {type(turn).__name__}; expected an object with {speaker_key!r} and {text_key!r}")
+            raise fail(
+                f"{at} is a JSON {type(turn).__name__}; expected an object with {speaker_key!r} and {text_key!r}"
+            )
         speaker, text = turn.get(speaker_key), turn.get(text_key)
         if not isinstance(speaker, str) or speaker not in roles:
             raise fail(f"{at}.{speaker_key}={speaker!r}: expected one of {sorted(roles)}")

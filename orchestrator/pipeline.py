@@ -16,10 +16,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from orchestrator import compute as compute_mod
 from orchestrator import layers as layer_contract
 from orchestrator import preflight, runner, tracking
 from orchestrator.artifacts import CODE_VERSION, MANIFEST, file_sha256, stable_hash, write_json
-from orchestrator import compute as compute_mod
 from orchestrator.config import RootConfig, captured_layers, extract_storage, tasks_per_node, world_size
 from orchestrator.targets import target_dir
 
@@ -66,11 +66,18 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
         {"target": target, "data": data, "extract": extract, "seed": cfg.seed, "code": CODE_VERSION["extract"]}
     )
     keys["train"] = stable_hash(
-        {"extract": keys["extract"], "draft": _subtree(cfg, "draft"), "train": _subtree(cfg, "train"),
-         "serve_ids": preflight.serve_ids(cfg, cfg.train.layers), "code": CODE_VERSION["train"]}
+        {
+            "extract": keys["extract"],
+            "draft": _subtree(cfg, "draft"),
+            "train": _subtree(cfg, "train"),
+            "serve_ids": preflight.serve_ids(cfg, cfg.train.layers),
+            "code": CODE_VERSION["train"],
+        }
     )
     keys["eval"] = stable_hash({"train": keys["train"], "eval": _subtree(cfg, "eval"), "code": CODE_VERSION["eval"]})
-    keys["serve"] = stable_hash({"train": keys["train"], "serve": _subtree(cfg, "serve"), "code": CODE_VERSION["serve"]})
+    keys["serve"] = stable_hash(
+        {"train": keys["train"], "serve": _subtree(cfg, "serve"), "code": CODE_VERSION["serve"]}
+    )
     return keys
 
 
@@ -88,7 +95,10 @@ def stage_layer_ids(cfg: RootConfig, stage: str) -> dict[str, Any]:
             "convention": "hf",
             "capture_points": [layer_contract.hf_capture_point(k, n) for k in captured_layers(cfg)],
             "hidden_states_indices": indices,
-            "teacher": {"kind": cfg.extract.teacher, "capture_point": layer_contract.hf_teacher_capture_point(cfg.extract.teacher, n)},
+            "teacher": {
+                "kind": cfg.extract.teacher,
+                "capture_point": layer_contract.hf_teacher_capture_point(cfg.extract.teacher, n),
+            },
         }
     if stage == "train":
         return {"convention": "canonical", "aux_layers": list(cfg.train.layers)}
@@ -103,7 +113,9 @@ def stage_layer_ids(cfg: RootConfig, stage: str) -> dict[str, Any]:
     return {
         "convention": engine,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
-        "captures_canonical": layer_contract.from_engine_ids(cfg.serve.engine, ids, n, cfg.target.family, cfg.serve.sglang_version),
+        "captures_canonical": layer_contract.from_engine_ids(
+            cfg.serve.engine, ids, n, cfg.target.family, cfg.serve.sglang_version
+        ),
     }
 
 
@@ -127,7 +139,11 @@ def make_plan(cfg: RootConfig, run_dir: Path) -> Plan:
     inputs = {
         "extract": {"target": plan.target_dir},
         "train": {"extract": str(dirs["extract"])},
-        "eval": {"draft": str(dirs["train"] / "draft"), "target": plan.target_dir, "train_metrics": str(dirs["train"] / MANIFEST)},
+        "eval": {
+            "draft": str(dirs["train"] / "draft"),
+            "target": plan.target_dir,
+            "train_metrics": str(dirs["train"] / MANIFEST),
+        },
         "serve": {"draft": str(dirs["train"] / "draft"), "target": plan.target_dir, "eval": str(dirs["eval"])},
     }
     for stage in cfg.stages:
@@ -138,7 +154,9 @@ def make_plan(cfg: RootConfig, run_dir: Path) -> Plan:
                 "key": keys[stage],
                 "resources": asdict(getattr(cfg, stage).resources) | {"tasks_per_node": tasks_per_node(cfg, stage)},
                 "world_size": world_size(cfg, stage),
-                "precision": compute_mod.resolve_precision(getattr(cfg, stage).precision, getattr(cfg, stage).resources.gpus_per_node),
+                "precision": compute_mod.resolve_precision(
+                    getattr(cfg, stage).precision, getattr(cfg, stage).resources.gpus_per_node
+                ),
                 "inputs": inputs[stage],
                 "output": str(dirs[stage]),
                 "cached": (dirs[stage] / MANIFEST).exists() and stage in ("extract", "train"),
@@ -164,7 +182,9 @@ def run_stage(stage: str, cfg: RootConfig, plan: Plan, run_id: str, finalize: bo
     started = time.time()
     compute = None
     try:
-        compute = compute_mod.setup(node.precision, node.resources.gpus_per_node, node.resources.timeout_min, f"{stage}.resources")
+        compute = compute_mod.setup(
+            node.precision, node.resources.gpus_per_node, node.resources.timeout_min, f"{stage}.resources"
+        )
         if compute.is_main:
             tracker.params({f"{stage}.{k}": v for k, v in tracking.compute_params(compute.describe()).items()})
         result = module.run(cfg, plan, tracker, compute)
@@ -173,7 +193,11 @@ def run_stage(stage: str, cfg: RootConfig, plan: Plan, run_id: str, finalize: bo
             if finalize:
                 finish(cfg, plan, tracker)
     except BaseException as exc:
-        tracker.fail(f"stage {stage}" + (f" (rank {compute.rank})" if compute and compute.distributed else "") + f": {type(exc).__name__}: {exc}")
+        tracker.fail(
+            f"stage {stage}"
+            + (f" (rank {compute.rank})" if compute and compute.distributed else "")
+            + f": {type(exc).__name__}: {exc}"
+        )
         raise
     finally:
         if compute is not None:
@@ -210,16 +234,26 @@ def print_plan(plan: Plan) -> None:
         table.add_column(col, overflow="fold")
     for s in plan.stages:
         r = s["resources"]
-        res = (f"{r['nodes']}x{r['gpus_per_node']} GPU, {s['world_size']} rank(s), {s['precision']}, {r['cpus_per_task']} CPU/task, "
-               f"{r['mem_gb']} GB, {r['timeout_min']} min")
-        table.add_row(s["stage"], s["job_name"], res, s["output"] + (" (cached)" if s["cached"] else ""), json.dumps(s["layer_ids"]))
+        res = (
+            f"{r['nodes']}x{r['gpus_per_node']} GPU, {s['world_size']} rank(s), {s['precision']}, {r['cpus_per_task']} CPU/task, "
+            f"{r['mem_gb']} GB, {r['timeout_min']} min"
+        )
+        table.add_row(
+            s["stage"],
+            s["job_name"],
+            res,
+            s["output"] + (" (cached)" if s["cached"] else ""),
+            json.dumps(s["layer_ids"]),
+        )
     Console(width=200).print(table)
     for s in plan.stages:
         if "storage" in s:
             st = s["storage"]
-            print(f"extract writes at most {st['max_bytes'] / 1e9:,.1f} GB: {st['max_tokens']:,} tokens x "
-                  f"{st['bytes_per_token']:,} bytes/token ({st['states_per_token']} states); extract.max_bytes="
-                  f"{st['limit_bytes'] / 1e9:,.1f} GB")
+            print(
+                f"extract writes at most {st['max_bytes'] / 1e9:,.1f} GB: {st['max_tokens']:,} tokens x "
+                f"{st['bytes_per_token']:,} bytes/token ({st['states_per_token']} states); extract.max_bytes="
+                f"{st['limit_bytes'] / 1e9:,.1f} GB"
+            )
 
 
 def write_run_files(cfg: RootConfig, plan: Plan) -> None:
@@ -229,7 +263,9 @@ def write_run_files(cfg: RootConfig, plan: Plan) -> None:
     write_json(run_dir / "plan.json", asdict(plan))
 
 
-def run_pipeline(cfg: RootConfig, run_dir: Path, sweep_dir: Path | None = None, search_trial: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_pipeline(
+    cfg: RootConfig, run_dir: Path, sweep_dir: Path | None = None, search_trial: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Submits the configured stage prefix as a chain of jobs. Local and debug runs block and return the
     summary (also in `<run_dir>/summary.json`); Slurm runs return once the chain is queued, unless
     `cluster.wait=true`. `search_trial`: the layer-search trial this run is (`orchestrator.pruning.SearchTrial`)."""
@@ -256,8 +292,13 @@ def run_pipeline(cfg: RootConfig, run_dir: Path, sweep_dir: Path | None = None, 
     if sweep_dir is not None:
         parent = tracking.sweep_parent_run(plan.tracking_uri, cfg.tracking.experiment, sweep_dir, cfg.run_name)
     tracker = tracking.start_pipeline_run(
-        plan.tracking_uri, cfg.tracking.experiment, cfg.run_name, tracking.resolved_container(cfg),
-        list(cfg.aux_layers), Path(plan.run_dir), parent_run_id=parent,
+        plan.tracking_uri,
+        cfg.tracking.experiment,
+        cfg.run_name,
+        tracking.resolved_container(cfg),
+        list(cfg.aux_layers),
+        Path(plan.run_dir),
+        parent_run_id=parent,
         cached=[e["stage"] for e in plan.stages if e["cached"]],
     )
     blocking = cfg.cluster.kind in ("local", "debug")
@@ -277,8 +318,16 @@ def run_pipeline(cfg: RootConfig, run_dir: Path, sweep_dir: Path | None = None, 
                 dependency = in_flight
                 continue
             job = runner.submit(
-                cfg.cluster, Path(plan.run_dir) / "jobs", entry["job_name"], getattr(cfg, stage).resources,
-                entry["resources"]["tasks_per_node"], stage, cfg, plan, tracker.run_id, entry is todo[-1],
+                cfg.cluster,
+                Path(plan.run_dir) / "jobs",
+                entry["job_name"],
+                getattr(cfg, stage).resources,
+                entry["resources"]["tasks_per_node"],
+                stage,
+                cfg,
+                plan,
+                tracker.run_id,
+                entry is todo[-1],
                 dependency=[dependency] if dependency else None,
             )
             jobs.append((stage, job))
@@ -332,8 +381,16 @@ def _report_submitted(plan: Plan, jobs: list, run_id: str, url: str) -> dict[str
     write_json(Path(plan.run_dir) / "jobs.json", submitted)
     print(f"submitted {len(jobs)} jobs: " + ", ".join(f"{s}={j}" for s, j in submitted.items()))
     print(f"  follow:  squeue -j {','.join(submitted.values())}    logs: {Path(plan.run_dir) / 'jobs'}")
-    print(f"  results: MLflow run {url} ({plan.tracking_uri}); summary at {Path(plan.run_dir) / 'summary.json'} when done")
-    return {"submitted": submitted, "mlflow_run_id": run_id, "mlflow_url": url, "run_dir": plan.run_dir, "tracking_uri": plan.tracking_uri}
+    print(
+        f"  results: MLflow run {url} ({plan.tracking_uri}); summary at {Path(plan.run_dir) / 'summary.json'} when done"
+    )
+    return {
+        "submitted": submitted,
+        "mlflow_run_id": run_id,
+        "mlflow_url": url,
+        "run_dir": plan.run_dir,
+        "tracking_uri": plan.tracking_uri,
+    }
 
 
 def build_summary(cfg: RootConfig, plan: Plan, results: dict[str, Any], run_id: str) -> dict[str, Any]:
@@ -362,15 +419,20 @@ def print_summary(summary: dict[str, Any]) -> None:
     for stage, result in summary["stages"].items():
         headline = result.get("headline") or {k: v for k, v in result.items() if isinstance(v, (int, float, str, bool))}
         ran = result.get("compute")
-        where = f"  (on {ran['device']}, {ran['dtype']}, {ran['world_size']} rank{'s' if ran['world_size'] > 1 else ''})" if ran else ""
+        where = (
+            f"  (on {ran['device']}, {ran['dtype']}, {ran['world_size']} rank{'s' if ran['world_size'] > 1 else ''})"
+            if ran
+            else ""
+        )
         table.add_row(stage, ", ".join(f"{k}={_fmt(v)}" for k, v in headline.items()) + where)
     table.add_row("mismatch", "; ".join(summary["mismatch_flags"]) or "none")
     Console(width=200).print(table)
     print(f"MLflow run: {summary['mlflow_url']}")
     if summary["tracking_uri"].startswith("sqlite:///"):
-        print(f"  served by: .venv/bin/mlflow ui --backend-store-uri {summary['tracking_uri']} --host 127.0.0.1 --port 5000")
+        print(
+            f"  served by: .venv/bin/mlflow ui --backend-store-uri {summary['tracking_uri']} --host 127.0.0.1 --port 5000"
+        )
 
 
 def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
-

@@ -19,8 +19,16 @@ from orchestrator.compute import resolve_precision
 from orchestrator.config import RootConfig, extract_storage, tasks_per_node
 
 CATEGORIES = (
-    "layer ids", "teacher kind", "tokenizer", "draft vocabulary", "draft config", "hidden sizes",
-    "speculative args", "draft steps", "storage", "memory",
+    "layer ids",
+    "teacher kind",
+    "tokenizer",
+    "draft vocabulary",
+    "draft config",
+    "hidden sizes",
+    "speculative args",
+    "draft steps",
+    "storage",
+    "memory",
 )
 
 
@@ -38,7 +46,9 @@ class Finding:
 class PreflightError(ValueError):
     def __init__(self, findings: list[Finding]):
         self.findings = findings
-        super().__init__("preflight refused the plan (nothing was submitted):\n  - " + "\n  - ".join(str(f) for f in findings))
+        super().__init__(
+            "preflight refused the plan (nothing was submitted):\n  - " + "\n  - ".join(str(f) for f in findings)
+        )
 
 
 def serve_ids(cfg: RootConfig, layers: list[int]) -> list[int]:
@@ -59,41 +69,66 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
         out.append(Finding("layer ids", False, str(exc), "choose aux_layers the serving engine can capture"))
     if list(s.layers) != list(cfg.aux_layers):
         try:
-            captured = layer_contract.from_engine_ids(s.engine, serve_ids(cfg, list(s.layers)), n, t.family, s.sglang_version)
+            captured = layer_contract.from_engine_ids(
+                s.engine, serve_ids(cfg, list(s.layers)), n, t.family, s.sglang_version
+            )
         except layer_contract.LayerContractError:
             captured = layer_contract.from_engine_ids(s.engine, list(s.layers), n, t.family, s.sglang_version)
-        out.append(Finding(
-            "layer ids", False,
-            f"serve.layers={list(s.layers)} (serving captures {captured}) differs from aux_layers={list(cfg.aux_layers)} the draft is trained on",
-            "drop the serve.layers override: every stage takes ${aux_layers}",
-        ))
+        out.append(
+            Finding(
+                "layer ids",
+                False,
+                f"serve.layers={list(s.layers)} (serving captures {captured}) differs from aux_layers={list(cfg.aux_layers)} the draft is trained on",
+                "drop the serve.layers override: every stage takes ${aux_layers}",
+            )
+        )
     hidden = cfg.draft.hidden_size or t.hidden_size
-    out.append(Finding(
-        "hidden sizes", hidden == t.hidden_size,
-        f"draft.hidden_size={hidden}, target.hidden_size={t.hidden_size}",
-        "" if hidden == t.hidden_size else "set draft.hidden_size to the target's (the draft shares the target's embedding)",
-    ))
+    out.append(
+        Finding(
+            "hidden sizes",
+            hidden == t.hidden_size,
+            f"draft.hidden_size={hidden}, target.hidden_size={t.hidden_size}",
+            ""
+            if hidden == t.hidden_size
+            else "set draft.hidden_size to the target's (the draft shares the target's embedding)",
+        )
+    )
     bad_flags = [a for a in s.extra_args if a.startswith("--speculative-algorithm") or a == "EAGLE"]
     if bad_flags:
-        out.append(Finding("speculative args", False, f"serve.extra_args sets {bad_flags}",
-                           "remove it: the algorithm is always EAGLE3 (EAGLE with an EAGLE-3 draft gives accept length 1.0)"))
+        out.append(
+            Finding(
+                "speculative args",
+                False,
+                f"serve.extra_args sets {bad_flags}",
+                "remove it: the algorithm is always EAGLE3 (EAGLE with an EAGLE-3 draft gives accept length 1.0)",
+            )
+        )
     if "extract" in cfg.stages:
         st = extract_storage(cfg)
         fits = st["max_bytes"] <= st["limit_bytes"]
-        out.append(Finding(
-            "storage", fits,
-            f"extraction writes at most {st['max_bytes'] / 1e9:,.1f} GB ({st['max_tokens']:,} tokens = {st['conversations']:,} "
-            f"conversations x data.max_seq_len={cfg.data.max_seq_len}, x {st['bytes_per_token']:,} bytes/token = "
-            f"{st['states_per_token']} states x hidden {cfg.target.hidden_size} x {cfg.extract.dtype}); "
-            f"extract.max_bytes={st['limit_bytes'] / 1e9:,.1f} GB",
-            "" if fits else "lower data.max_train_conversations or data.max_seq_len, capture fewer layers "
-            "(extract.extra_layers), or raise extract.max_bytes if the disk holds it",
-        ))
+        out.append(
+            Finding(
+                "storage",
+                fits,
+                f"extraction writes at most {st['max_bytes'] / 1e9:,.1f} GB ({st['max_tokens']:,} tokens = {st['conversations']:,} "
+                f"conversations x data.max_seq_len={cfg.data.max_seq_len}, x {st['bytes_per_token']:,} bytes/token = "
+                f"{st['states_per_token']} states x hidden {cfg.target.hidden_size} x {cfg.extract.dtype}); "
+                f"extract.max_bytes={st['limit_bytes'] / 1e9:,.1f} GB",
+                ""
+                if fits
+                else "lower data.max_train_conversations or data.max_seq_len, capture fewer layers "
+                "(extract.extra_layers), or raise extract.max_bytes if the disk holds it",
+            )
+        )
     deep = s.num_steps <= cfg.train.ttt_steps
-    out.append(Finding(
-        "draft steps", deep, f"serve.num_steps={s.num_steps}, train.ttt_steps={cfg.train.ttt_steps}",
-        "" if deep else f"raise train.ttt_steps to >= {s.num_steps} or lower serve.num_steps",
-    ))
+    out.append(
+        Finding(
+            "draft steps",
+            deep,
+            f"serve.num_steps={s.num_steps}, train.ttt_steps={cfg.train.ttt_steps}",
+            "" if deep else f"raise train.ttt_steps to >= {s.num_steps} or lower serve.num_steps",
+        )
+    )
     return out
 
 
@@ -110,14 +145,22 @@ def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
         dtype = resolve_precision(getattr(cfg, stage).precision, r.gpus_per_node)
         need = weight_bytes(target_dir, dtype)
         if need is None:
-            out.append(Finding("memory", True, f"{stage}: no weights at {target_dir} yet, so their size is not checked"))
+            out.append(
+                Finding("memory", True, f"{stage}: no weights at {target_dir} yet, so their size is not checked")
+            )
             continue
         tasks = tasks_per_node(cfg, stage)
         if r.gpus_per_node:
             gpus = r.gpus_per_node // tasks
             if cfg.cluster.gpu_memory_gb is None:
-                out.append(Finding("memory", True, f"{stage}: target weights {need / 1e9:,.1f} GB in {dtype} on {gpus} GPU(s) "
-                                   "per task of unknown memory (set cluster.gpu_memory_gb to check it)"))
+                out.append(
+                    Finding(
+                        "memory",
+                        True,
+                        f"{stage}: target weights {need / 1e9:,.1f} GB in {dtype} on {gpus} GPU(s) "
+                        "per task of unknown memory (set cluster.gpu_memory_gb to check it)",
+                    )
+                )
                 continue
             have = gpus * cfg.cluster.gpu_memory_gb * 1e9 * GPU_FILL
             fits = need <= have
@@ -125,25 +168,33 @@ def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
             least = -(-need // per_gpu)  # the GPUs one task needs
             fix = ""
             if not fits:
-                fix = (f"give each task {int(least)} GPUs: {stage}.resources.tasks_per_node={r.gpus_per_node // int(least)}"
-                       if least <= r.gpus_per_node and r.gpus_per_node % least == 0 else
-                       f"the weights need {int(least)} GPUs of {cfg.cluster.gpu_memory_gb:g} GB, more than a node's "
-                       f"{r.gpus_per_node}: use larger GPUs (cluster.gpu_memory_gb) or a quantised checkpoint")
-            out.append(Finding(
-                "memory", fits,
-                f"{stage}: target weights {need / 1e9:,.1f} GB in {dtype}; each of its {tasks} task(s) per node has {gpus} "
-                f"GPU(s) x {cfg.cluster.gpu_memory_gb:g} GB, of which the weights may fill {GPU_FILL:.0%}: {have / 1e9:,.1f} GB",
-                fix,
-            ))
+                fix = (
+                    f"give each task {int(least)} GPUs: {stage}.resources.tasks_per_node={r.gpus_per_node // int(least)}"
+                    if least <= r.gpus_per_node and r.gpus_per_node % least == 0
+                    else f"the weights need {int(least)} GPUs of {cfg.cluster.gpu_memory_gb:g} GB, more than a node's "
+                    f"{r.gpus_per_node}: use larger GPUs (cluster.gpu_memory_gb) or a quantised checkpoint"
+                )
+            out.append(
+                Finding(
+                    "memory",
+                    fits,
+                    f"{stage}: target weights {need / 1e9:,.1f} GB in {dtype}; each of its {tasks} task(s) per node has {gpus} "
+                    f"GPU(s) x {cfg.cluster.gpu_memory_gb:g} GB, of which the weights may fill {GPU_FILL:.0%}: {have / 1e9:,.1f} GB",
+                    fix,
+                )
+            )
         else:
             have = r.mem_gb * 1e9
             fits = need * tasks <= have
-            out.append(Finding(
-                "memory", fits,
-                f"{stage}: target weights {need / 1e9:,.2f} GB in {dtype} x {tasks} task(s) on the CPU; "
-                f"{stage}.resources.mem_gb={r.mem_gb}",
-                "" if fits else f"raise {stage}.resources.mem_gb or lower {stage}.resources.tasks_per_node",
-            ))
+            out.append(
+                Finding(
+                    "memory",
+                    fits,
+                    f"{stage}: target weights {need / 1e9:,.2f} GB in {dtype} x {tasks} task(s) on the CPU; "
+                    f"{stage}.resources.mem_gb={r.mem_gb}",
+                    "" if fits else f"raise {stage}.resources.mem_gb or lower {stage}.resources.tasks_per_node",
+                )
+            )
     return out
 
 
@@ -153,21 +204,37 @@ def extraction_findings(cfg: RootConfig, extract_dir: Path, target_dir: Path | N
     manifest = read_json(Path(extract_dir) / MANIFEST, "extraction manifest")
     where = f"{extract_dir}/{MANIFEST}"
     out = [
-        Finding("layer ids", set(cfg.aux_layers) <= set(manifest["aux_layers"]),
-                f"{where}: extracted aux_layers={manifest['aux_layers']}, config aux_layers={list(cfg.aux_layers)}",
-                "" if set(cfg.aux_layers) <= set(manifest["aux_layers"]) else "re-extract with the configured aux_layers"),
-        Finding("teacher kind", manifest["teacher"]["kind"] == cfg.extract.teacher,
-                f"{where}: teacher {manifest['teacher']['kind']}, config extract.teacher={cfg.extract.teacher}",
-                "" if manifest["teacher"]["kind"] == cfg.extract.teacher else "re-extract, or set extract.teacher to the stored kind"),
-        Finding("hidden sizes", manifest["hidden_size"] == cfg.target.hidden_size,
-                f"{where}: hidden_size {manifest['hidden_size']}, target.hidden_size={cfg.target.hidden_size}",
-                "" if manifest["hidden_size"] == cfg.target.hidden_size else "extract from the configured target"),
+        Finding(
+            "layer ids",
+            set(cfg.aux_layers) <= set(manifest["aux_layers"]),
+            f"{where}: extracted aux_layers={manifest['aux_layers']}, config aux_layers={list(cfg.aux_layers)}",
+            "" if set(cfg.aux_layers) <= set(manifest["aux_layers"]) else "re-extract with the configured aux_layers",
+        ),
+        Finding(
+            "teacher kind",
+            manifest["teacher"]["kind"] == cfg.extract.teacher,
+            f"{where}: teacher {manifest['teacher']['kind']}, config extract.teacher={cfg.extract.teacher}",
+            ""
+            if manifest["teacher"]["kind"] == cfg.extract.teacher
+            else "re-extract, or set extract.teacher to the stored kind",
+        ),
+        Finding(
+            "hidden sizes",
+            manifest["hidden_size"] == cfg.target.hidden_size,
+            f"{where}: hidden_size {manifest['hidden_size']}, target.hidden_size={cfg.target.hidden_size}",
+            "" if manifest["hidden_size"] == cfg.target.hidden_size else "extract from the configured target",
+        ),
     ]
     if target_dir is not None and (Path(target_dir) / "tokenizer.json").exists():
         now = tokenizer_hash(Path(target_dir))
-        out.append(Finding("tokenizer", manifest["tokenizer_hash"] == now,
-                           f"{where}: tokenizer {manifest['tokenizer_hash']}, target's tokenizer now {now}",
-                           "" if manifest["tokenizer_hash"] == now else "re-extract: token ids or the chat template changed"))
+        out.append(
+            Finding(
+                "tokenizer",
+                manifest["tokenizer_hash"] == now,
+                f"{where}: tokenizer {manifest['tokenizer_hash']}, target's tokenizer now {now}",
+                "" if manifest["tokenizer_hash"] == now else "re-extract: token ids or the chat template changed",
+            )
+        )
     return out
 
 
@@ -181,8 +248,11 @@ def draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path | None) ->
     tconf = target_config_json(target_dir) if target_dir and (Path(target_dir) / "config.json").exists() else None
     out: list[Finding] = []
     for problem in draft_export.validate_draft_dir(draft_dir, tconf):
-        category = "draft vocabulary" if ("d2t" in problem or "t2d" in problem) else (
-            "hidden sizes" if "hidden_size" in problem else "draft config")
+        category = (
+            "draft vocabulary"
+            if ("d2t" in problem or "t2d" in problem)
+            else ("hidden sizes" if "hidden_size" in problem else "draft config")
+        )
         out.append(Finding(category, False, f"{draft_dir}: {problem}", "re-export the draft with the train stage"))
     if not out:
         out.append(Finding("draft config", True, f"{draft_dir}: meets SGLang's draft rules"))
@@ -192,27 +262,47 @@ def draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path | None) ->
         return out  # already reported by the validator
     prov_path = draft_dir / draft_export.PROVENANCE
     if not prov_path.exists():
-        out.append(Finding("layer ids", False, f"{draft_dir}: no {draft_export.PROVENANCE}, so the trained layers are unknown",
-                           "train the draft with this orchestrator, or write its trained aux_layers there"))
+        out.append(
+            Finding(
+                "layer ids",
+                False,
+                f"{draft_dir}: no {draft_export.PROVENANCE}, so the trained layers are unknown",
+                "train the draft with this orchestrator, or write its trained aux_layers there",
+            )
+        )
         return out
     prov = read_json(prov_path, "draft provenance")
     s = cfg.serve
     try:
         sglang_engine.check_layer_ids(cfg, ids, prov["aux_layers"], where=f"draft {draft_dir}")
-        out.append(Finding("layer ids", True, f"{draft_dir}: ids {ids} capture the trained aux_layers {prov['aux_layers']}"))
+        out.append(
+            Finding("layer ids", True, f"{draft_dir}: ids {ids} capture the trained aux_layers {prov['aux_layers']}")
+        )
     except sglang_engine.ServingRefused as exc:
         message, _, fix = str(exc).partition(" Fix: ")
         out.append(Finding("layer ids", False, message, fix))
     if target_dir is not None and (Path(target_dir) / "tokenizer.json").exists():
         now = tokenizer_hash(Path(target_dir))
-        out.append(Finding("tokenizer", prov.get("tokenizer_hash") == now,
-                           f"{draft_dir}: trained with tokenizer {prov.get('tokenizer_hash')}, serving target's is {now}",
-                           "" if prov.get("tokenizer_hash") == now else "serve the target the draft was trained for"))
+        out.append(
+            Finding(
+                "tokenizer",
+                prov.get("tokenizer_hash") == now,
+                f"{draft_dir}: trained with tokenizer {prov.get('tokenizer_hash')}, serving target's is {now}",
+                "" if prov.get("tokenizer_hash") == now else "serve the target the draft was trained for",
+            )
+        )
     trained_steps = prov.get("trained_ttt_steps")
     if trained_steps is not None:
-        out.append(Finding("draft steps", s.num_steps <= trained_steps,
-                           f"serve.num_steps={s.num_steps}, the draft was trained with {trained_steps} TTT steps",
-                           "" if s.num_steps <= trained_steps else f"lower serve.num_steps to <= {trained_steps} or retrain deeper"))
+        out.append(
+            Finding(
+                "draft steps",
+                s.num_steps <= trained_steps,
+                f"serve.num_steps={s.num_steps}, the draft was trained with {trained_steps} TTT steps",
+                ""
+                if s.num_steps <= trained_steps
+                else f"lower serve.num_steps to <= {trained_steps} or retrain deeper",
+            )
+        )
     return out
 
 

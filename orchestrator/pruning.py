@@ -61,8 +61,10 @@ def reporter(plan) -> Callable[[int, Mapping[str, Any]], str | None]:
             print(f"[search] trial {spec.trial_number}: not reported ({exc}); training goes on unpruned", flush=True)
             return None
         if trial.should_prune():
-            reason = (f"trial {spec.trial_number} pruned at training step {step}: validation {spec.metric}={value:.4f} "
-                      f"({type(study.pruner).__name__})")
+            reason = (
+                f"trial {spec.trial_number} pruned at training step {step}: validation {spec.metric}={value:.4f} "
+                f"({type(study.pruner).__name__})"
+            )
             record.write_text(json.dumps({"step": step, "metric": spec.metric, "value": value, "reason": reason}))
             return reason
         return None

@@ -28,19 +28,44 @@ class RegenerateError(RuntimeError):
     """Regeneration that cannot run: an endpoint that is unreachable or answers wrongly, or no model for hf."""
 
 
-def sequences(conversations: list, split: str, cfg: RootConfig, tokenizer, *, model=None, log_dir: Path | None = None,
-              endpoint: "Endpoint | None" = None) -> list[Rendered]:
+def sequences(
+    conversations: list,
+    split: str,
+    cfg: RootConfig,
+    tokenizer,
+    *,
+    model=None,
+    log_dir: Path | None = None,
+    endpoint: "Endpoint | None" = None,
+) -> list[Rendered]:
     """A split's training sequences: the data set's conversations rendered, or, with `data.regenerate.enabled`,
     the target's own responses to their prompts (seeded by the run's seed and the split)."""
     if not cfg.data.regenerate.enabled:
         return [render(tokenizer, c, cfg.data.max_seq_len) for c in conversations]
     split_seed = cfg.seed + (0 if split == "train" else 1)
-    return regenerate(conversations, cfg, tokenizer, split_seed, model=model, log_dir=log_dir, endpoint=endpoint,
-                      desc=f"regenerate {split}")
+    return regenerate(
+        conversations,
+        cfg,
+        tokenizer,
+        split_seed,
+        model=model,
+        log_dir=log_dir,
+        endpoint=endpoint,
+        desc=f"regenerate {split}",
+    )
 
 
-def regenerate(conversations: list, cfg: RootConfig, tokenizer, seed: int, *, model=None, log_dir: Path | None = None,
-               endpoint: "Endpoint | None" = None, desc: str = "regenerate") -> list[Rendered]:
+def regenerate(
+    conversations: list,
+    cfg: RootConfig,
+    tokenizer,
+    seed: int,
+    *,
+    model=None,
+    log_dir: Path | None = None,
+    endpoint: "Endpoint | None" = None,
+    desc: str = "regenerate",
+) -> list[Rendered]:
     """The target's responses to each conversation's prompt (its turns before the first answer), one `Rendered`
     per conversation, in order.
 
@@ -52,7 +77,9 @@ def regenerate(conversations: list, cfg: RootConfig, tokenizer, seed: int, *, mo
     prompts = [prompt_ids(tokenizer, c, max(1, max_len - 1)) for c in conversations]
     if r.engine == "hf":
         if model is None:
-            raise RegenerateError("data.regenerate.engine=hf generates with the target in this process, but no model was given")
+            raise RegenerateError(
+                "data.regenerate.engine=hf generates with the target in this process, but no model was given"
+            )
         return hf_responses(model, tokenizer, prompts, max_len, r, seed, desc)
     if endpoint is not None:
         return server_responses(endpoint, prompts, tokenizer.eos_token_id, max_len, r, seed, desc)
@@ -87,20 +114,30 @@ def hf_responses(model, tokenizer, prompts: list[list[int]], max_len: int, r, se
         for row, p in enumerate(batch):  # left padding: every row's next token is at the same column
             ids[row, width - len(p) :] = torch.tensor(p)
             attn[row, width - len(p) :] = 1
-        sampling = {"do_sample": False} if r.temperature == 0 else {"do_sample": True, "temperature": r.temperature, "top_k": 0, "top_p": 1.0}
+        sampling = (
+            {"do_sample": False}
+            if r.temperature == 0
+            else {"do_sample": True, "temperature": r.temperature, "top_k": 0, "top_p": 1.0}
+        )
         if r.temperature > 0:
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator_seed)))
         with torch.no_grad():
             device = model.get_input_embeddings().weight.device  # a spread target takes its inputs on its first GPU
             generated = model.generate(
-                input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=new_tokens, pad_token_id=pad,
-                eos_token_id=eos, **sampling,
+                input_ids=ids.to(device),
+                attention_mask=attn.to(device),
+                max_new_tokens=new_tokens,
+                pad_token_id=pad,
+                eos_token_id=eos,
+                **sampling,
             )[:, width:]
         out += [_rendered(p, generated[row].tolist(), eos, max_len) for row, p in enumerate(batch)]
     return out
 
 
-def server_responses(endpoint: "Endpoint", prompts: list[list[int]], eos: int | None, max_len: int, r, seed: int, desc: str) -> list[Rendered]:
+def server_responses(
+    endpoint: "Endpoint", prompts: list[list[int]], eos: int | None, max_len: int, r, seed: int, desc: str
+) -> list[Rendered]:
     """One request per prompt, `r.concurrency` in flight, each asking for at most `r.max_new_tokens` (and no more
     than `max_len` allows) and stopping at the tokenizer's end token. At temperature 0 the engine decodes greedily;
     above it each request carries a seed drawn from `seed` (SGLang applies it only when launched with
@@ -195,8 +232,10 @@ class Endpoint:
     def fail(self, what: str) -> Exception:
         r = self.cfg.data.regenerate
         if self.server is not None:
-            return self.server.fail(f"data.regenerate.engine=server, the server started with serve.engine={self.cfg.serve.engine} "
-                                    f"(data.regenerate.url=null, api={r.api}): {what}")
+            return self.server.fail(
+                f"data.regenerate.engine=server, the server started with serve.engine={self.cfg.serve.engine} "
+                f"(data.regenerate.url=null, api={r.api}): {what}"
+            )
         return RegenerateError(
             f"data.regenerate.url={r.url!r} (data.regenerate.api={r.api}): {what}. Start a server there that speaks "
             f"{'SGLang /generate' if r.api == 'generate' else 'OpenAI /v1/completions with return_token_ids'}, or set "

@@ -17,20 +17,30 @@ class StageFailed(RuntimeError):
     """A stage job that raised or died; carries the job's log tail."""
 
 
-def executor(cluster: ClusterConfig, folder: Path, name: str, resources: Resources, tasks_per_node: int = 1,
-             dependency: list[str] | None = None):
+def executor(
+    cluster: ClusterConfig,
+    folder: Path,
+    name: str,
+    resources: Resources,
+    tasks_per_node: int = 1,
+    dependency: list[str] | None = None,
+):
     """submitit's executor for one stage job: `tasks_per_node` processes on each of `resources.nodes` nodes (one
     torch.distributed rank each, see `StageJob`)."""
     folder = Path(folder)
     if cluster.kind == "debug":
         if tasks_per_node * resources.nodes > 1:
-            raise ValueError(f"cluster.kind=debug runs a job in this process: it cannot run {tasks_per_node * resources.nodes} tasks; use cluster=local")
+            raise ValueError(
+                f"cluster.kind=debug runs a job in this process: it cannot run {tasks_per_node * resources.nodes} tasks; use cluster=local"
+            )
         ex = submitit.DebugExecutor(folder=folder)
     elif cluster.kind == "local":
         if resources.nodes > 1:
             raise ValueError(f"cluster.kind=local runs on this machine: resources.nodes={resources.nodes}, expected 1")
         ex = submitit.LocalExecutor(folder=folder)
-        ex.update_parameters(timeout_min=resources.timeout_min, tasks_per_node=tasks_per_node, gpus_per_node=resources.gpus_per_node)
+        ex.update_parameters(
+            timeout_min=resources.timeout_min, tasks_per_node=tasks_per_node, gpus_per_node=resources.gpus_per_node
+        )
     elif cluster.kind == "slurm":
         ex = submitit.SlurmExecutor(folder=folder)
         ex.update_parameters(**slurm_parameters(cluster, name, resources, tasks_per_node, dependency))
@@ -39,8 +49,9 @@ def executor(cluster: ClusterConfig, folder: Path, name: str, resources: Resourc
     return ex
 
 
-def slurm_parameters(cluster: ClusterConfig, name: str, resources: Resources, tasks_per_node: int,
-                     dependency: list[str] | None) -> dict[str, Any]:
+def slurm_parameters(
+    cluster: ClusterConfig, name: str, resources: Resources, tasks_per_node: int, dependency: list[str] | None
+) -> dict[str, Any]:
     params: dict[str, Any] = {
         "job_name": name,
         "nodes": resources.nodes,
@@ -82,7 +93,9 @@ class StageJob(submitit.helpers.Checkpointable):
         return run_stage(stage, cfg, plan, run_id, finalize=finalize)
 
 
-def submit(cluster: ClusterConfig, folder: Path, name: str, resources: Resources, tasks_per_node: int, *args, dependency=None):
+def submit(
+    cluster: ClusterConfig, folder: Path, name: str, resources: Resources, tasks_per_node: int, *args, dependency=None
+):
     return executor(cluster, folder, name, resources, tasks_per_node, dependency).submit(StageJob(), *args)
 
 
@@ -156,8 +169,14 @@ class _FollowedFile:
             self.sink.flush()
 
 
-def render_sbatch(cluster: ClusterConfig, folder: Path, name: str, resources: Resources, tasks_per_node: int = 1,
-                  dependency: list[str] | None = None) -> str:
+def render_sbatch(
+    cluster: ClusterConfig,
+    folder: Path,
+    name: str,
+    resources: Resources,
+    tasks_per_node: int = 1,
+    dependency: list[str] | None = None,
+) -> str:
     """The sbatch file submitit would write for a stage (for dry runs and golden tests)."""
     ex = executor(cluster, folder, name, resources, tasks_per_node, dependency)
     return ex._make_submission_file_text(f"python -u -m submitit.core._submit {folder}", "UID")

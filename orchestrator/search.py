@@ -85,10 +85,14 @@ def split(cfg: DictConfig) -> tuple[SearchConfig, dict[str, Any]]:
         node = OmegaConf.to_container(cfg.search, resolve=True)
         search: SearchConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SearchConfig), node))
     except MissingMandatoryValue as exc:
-        raise SearchError(f"config key 'search.{exc.full_key}' has no value: set it in conf/search/ or as an override") from None
+        raise SearchError(
+            f"config key 'search.{exc.full_key}' has no value: set it in conf/search/ or as an override"
+        ) from None
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)
-        raise SearchError(f"config key 'search.{key}': {str(exc).splitlines()[0]}" if key else f"search: {exc}") from None
+        raise SearchError(
+            f"config key 'search.{key}': {str(exc).splitlines()[0]}" if key else f"search: {exc}"
+        ) from None
     rest = OmegaConf.to_container(cfg, resolve=False)
     rest.pop("search")
     rest.pop("hydra", None)
@@ -109,8 +113,10 @@ def check(search: SearchConfig, base: RootConfig) -> None:
     n = base.target.num_hidden_layers
     k = base.draft.num_aux_layers
     if len(search.slots) != k:
-        raise SearchError(f"search.slots has {len(search.slots)} ranges: the draft takes draft.num_aux_layers={k} "
-                          f"states, so give {k} ranges [low, high], one per aux layer")
+        raise SearchError(
+            f"search.slots has {len(search.slots)} ranges: the draft takes draft.num_aux_layers={k} "
+            f"states, so give {k} ranges [low, high], one per aux layer"
+        )
     for i, slot in enumerate(search.slots):
         if len(slot) != 2 or slot[0] > slot[1]:
             raise SearchError(f"search.slots[{i}]={slot}: expected an inclusive range [low, high] with low <= high")
@@ -124,24 +130,34 @@ def check(search: SearchConfig, base: RootConfig) -> None:
     if search.n_trials < 1 or search.n_jobs < 1:
         raise SearchError(f"search.n_trials={search.n_trials}, search.n_jobs={search.n_jobs}: expected >= 1 each")
     if base.cluster.kind == "debug" and search.n_jobs > 1:
-        raise SearchError(f"search.n_jobs={search.n_jobs} with cluster=debug: debug jobs run in this process one at a "
-                          "time; use cluster=local or cluster=slurm for trials in parallel, or search.n_jobs=1")
+        raise SearchError(
+            f"search.n_jobs={search.n_jobs} with cluster=debug: debug jobs run in this process one at a "
+            "time; use cluster=local or cluster=slurm for trials in parallel, or search.n_jobs=1"
+        )
     if "eval" not in base.stages:
-        raise SearchError(f"stages={base.stages}: a trial's value is eval's expected accept length (or serve's "
-                          "speedup), so the search needs stages [extract, train, eval] or all four")
+        raise SearchError(
+            f"stages={base.stages}: a trial's value is eval's expected accept length (or serve's "
+            "speedup), so the search needs stages [extract, train, eval] or all four"
+        )
     metric = search.prune_metric
     position = metric.rsplit("_", 1)[-1]
-    positional = metric.startswith(("acc_", "full_acc_")) and position.isdigit() and int(position) < base.train.ttt_steps
+    positional = (
+        metric.startswith(("acc_", "full_acc_")) and position.isdigit() and int(position) < base.train.ttt_steps
+    )
     if metric != "expected_accept_length" and not positional:
-        raise SearchError(f"search.prune_metric={metric!r}: expected one of {PRUNE_METRICS} (k < train.ttt_steps="
-                          f"{base.train.ttt_steps}), a validation value training reports and the study maximises")
+        raise SearchError(
+            f"search.prune_metric={metric!r}: expected one of {PRUNE_METRICS} (k < train.ttt_steps="
+            f"{base.train.ttt_steps}), a validation value training reports and the study maximises"
+        )
 
 
 def build_space(search: SearchConfig, base: RootConfig) -> Space:
     """Every ascending, distinct point of the slots' ranges that the serving engine can capture."""
     check(search, base)
     t, s = base.target, base.serve
-    ranges = [[k for k in range(lo, hi + 1) if search.candidates is None or k in search.candidates] for lo, hi in search.slots]
+    ranges = [
+        [k for k in range(lo, hi + 1) if search.candidates is None or k in search.candidates] for lo, hi in search.slots
+    ]
     points, why_not = [], {}
     for point in _ascending(ranges):
         try:
@@ -151,8 +167,10 @@ def build_space(search: SearchConfig, base: RootConfig) -> Space:
             why_not.setdefault(str(exc).split(":")[0], str(exc))
     if not points:
         reasons = " | ".join(list(why_not.values())[:2]) or "no ascending, distinct point in the ranges"
-        raise SearchError(f"search.slots={search.slots} (search.candidates={search.candidates}): no point the serving "
-                          f"engine ({s.engine}, family {t.family}) can capture: {reasons}")
+        raise SearchError(
+            f"search.slots={search.slots} (search.candidates={search.candidates}): no point the serving "
+            f"engine ({s.engine}, family {t.family}) can capture: {reasons}"
+        )
     slots = [sorted({p[i] for p in points}) for i in range(len(ranges))]
     return Space(slots, points, sorted({k for p in points for k in p}))
 
@@ -180,10 +198,13 @@ def union_storage(search: SearchConfig, experiment: dict[str, Any], space: Space
     raise SearchError(
         f"the search extracts the union of its candidate layers once ({len(space.union)} layers {space.union}): at most "
         f"{storage['max_bytes'] / 1e9:,.1f} GB, over extract.max_bytes={storage['limit_bytes'] / 1e9:,.1f} GB; "
-        + (f"{fits} layers fit. Proposed: search.candidates=[{','.join(map(str, proposal))}] (the baseline's layers and "
-           "others evenly spaced over the union, every slot keeping layers); or lower data.max_train_conversations / data.max_seq_len, or raise "
-           "extract.max_bytes if the disk holds it" if proposal else
-           f"not even {len(search.slots)} layers fit: lower data.max_train_conversations or data.max_seq_len")
+        + (
+            f"{fits} layers fit. Proposed: search.candidates=[{','.join(map(str, proposal))}] (the baseline's layers and "
+            "others evenly spaced over the union, every slot keeping layers); or lower data.max_train_conversations / data.max_seq_len, or raise "
+            "extract.max_bytes if the disk holds it"
+            if proposal
+            else f"not even {len(search.slots)} layers fit: lower data.max_train_conversations or data.max_seq_len"
+        )
     )
 
 
@@ -205,16 +226,22 @@ def smaller_candidates(search: SearchConfig, base: RootConfig, space: Space, siz
 
 def print_space(search: SearchConfig, space: Space, cfg: RootConfig, storage: dict[str, Any], study_dir: Path) -> None:
     single = extract_storage(point_config_like(cfg, list(cfg.aux_layers)))
-    print(f"layer search {search.study_name!r}: {len(space.points):,} points the serving engine can capture "
-          f"({cfg.serve.engine}, family {cfg.target.family}); slots:")
+    print(
+        f"layer search {search.study_name!r}: {len(space.points):,} points the serving engine can capture "
+        f"({cfg.serve.engine}, family {cfg.target.family}); slots:"
+    )
     for i, (rng, layers) in enumerate(zip(search.slots, space.slots)):
         print(f"  slot {i}: range {rng} -> {layers}")
-    print(f"one extraction for every trial: the union {space.union} ({len(space.union)} layers), at most "
-          f"{storage['max_bytes'] / 1e9:,.2f} GB ({storage['max_tokens']:,} tokens x {storage['bytes_per_token']:,} "
-          f"bytes/token); one point alone: {single['max_bytes'] / 1e9:,.2f} GB; extract.max_bytes="
-          f"{storage['limit_bytes'] / 1e9:,.1f} GB")
-    print(f"value: {objective_name(cfg)} (maximised); {search.n_trials} trials, {search.n_jobs} at a time; pruner "
-          f"{search.pruner['_target_']} on train/val_{search.prune_metric}; study at {study_dir}")
+    print(
+        f"one extraction for every trial: the union {space.union} ({len(space.union)} layers), at most "
+        f"{storage['max_bytes'] / 1e9:,.2f} GB ({storage['max_tokens']:,} tokens x {storage['bytes_per_token']:,} "
+        f"bytes/token); one point alone: {single['max_bytes'] / 1e9:,.2f} GB; extract.max_bytes="
+        f"{storage['limit_bytes'] / 1e9:,.1f} GB"
+    )
+    print(
+        f"value: {objective_name(cfg)} (maximised); {search.n_trials} trials, {search.n_jobs} at a time; pruner "
+        f"{search.pruner['_target_']} on train/val_{search.prune_metric}; study at {study_dir}"
+    )
 
 
 def point_config_like(cfg: RootConfig, point: list[int]) -> RootConfig:
@@ -243,7 +270,9 @@ def fingerprint(experiment: dict[str, Any], search: SearchConfig) -> str:
     for stage in ("extract", "train", "eval", "serve"):
         tree[stage].pop("resources", None)
         tree[stage].pop("layers", None)
-    return stable_hash({"experiment": tree, "slots": search.slots, "candidates": search.candidates, "metric": search.prune_metric})
+    return stable_hash(
+        {"experiment": tree, "slots": search.slots, "candidates": search.candidates, "metric": search.prune_metric}
+    )
 
 
 # ---- the study -------------------------------------------------------------------------------------------------
@@ -277,7 +306,8 @@ def finished_count(study) -> int:
     trials = study.get_trials(deepcopy=False)
     retried = {t.user_attrs.get("retry_of") for t in trials}
     return sum(
-        1 for t in trials
+        1
+        for t in trials
         if t.state in (states.COMPLETE, states.PRUNED)
         or (t.state == states.FAIL and "rejected" not in t.user_attrs and t.number not in retried)
     )
@@ -310,13 +340,24 @@ class Study:
             sampler, pruner = instantiate(search.sampler), instantiate(search.pruner)
         except Exception as exc:
             raise SearchError(f"search.sampler / search.pruner: cannot build them: {exc}") from None
-        self.study = optuna.create_study(study_name=search.study_name, storage=self.storage, sampler=sampler,
-                                         pruner=pruner, direction="maximize", load_if_exists=True)
+        self.study = optuna.create_study(
+            study_name=search.study_name,
+            storage=self.storage,
+            sampler=sampler,
+            pruner=pruner,
+            direction="maximize",
+            load_if_exists=True,
+        )
         mark = fingerprint(experiment, search)
         known = self.study.user_attrs.get("fingerprint")
         if known is None:
-            for key, value in {"fingerprint": mark, "objective": objective_name(extract_cfg), "slots": search.slots,
-                               "union": space.union, "prune_metric": search.prune_metric}.items():
+            for key, value in {
+                "fingerprint": mark,
+                "objective": objective_name(extract_cfg),
+                "slots": search.slots,
+                "union": space.union,
+                "prune_metric": search.prune_metric,
+            }.items():
                 self.study.set_user_attr(key, value)
         elif known != mark:
             raise SearchError(
@@ -325,7 +366,9 @@ class Study:
                 "(search.study_name=...)"
             )
         self.uri = tracking.tracking_uri(extract_cfg.tracking.uri, extract_cfg.outputs)
-        self.parent = tracking.sweep_parent_run(self.uri, extract_cfg.tracking.experiment, self.folder, search.study_name)
+        self.parent = tracking.sweep_parent_run(
+            self.uri, extract_cfg.tracking.experiment, self.folder, search.study_name
+        )
         self.lock = threading.Lock()
 
     def run(self) -> dict[str, Any]:
@@ -340,24 +383,42 @@ class Study:
         if not self.study.trials and self.search.baseline:
             baseline = list(self.experiment["aux_layers"])
             if tuple(baseline) not in self.space.points:
-                raise SearchError(f"search.baseline=true but aux_layers={baseline} is not a point of search.slots="
-                                  f"{self.search.slots}: widen the slots or set search.baseline=false")
+                raise SearchError(
+                    f"search.baseline=true but aux_layers={baseline} is not a point of search.slots="
+                    f"{self.search.slots}: widen the slots or set search.baseline=false"
+                )
             self.study.enqueue_trial({f"slot_{i}": k for i, k in enumerate(baseline)}, user_attrs={"baseline": True})
-        tracking.search_started(self.uri, self.parent, self.search.study_name, self.storage, self.folder,
-                                objective_name(self.base), self.search.slots, self.space.union)
+        tracking.search_started(
+            self.uri,
+            self.parent,
+            self.search.study_name,
+            self.storage,
+            self.folder,
+            objective_name(self.base),
+            self.search.slots,
+            self.space.union,
+        )
         self.extract_union()
         while (left := self.search.n_trials - finished_count(self.study)) > 0:
             before = finished_count(self.study)
-            self.study.optimize(self.trial, n_trials=left, n_jobs=min(self.search.n_jobs, left),
-                                catch=(runner.StageFailed, ConfigError, preflight.PreflightError),
-                                callbacks=[lambda study, trial: self.report()])
+            self.study.optimize(
+                self.trial,
+                n_trials=left,
+                n_jobs=min(self.search.n_jobs, left),
+                catch=(runner.StageFailed, ConfigError, preflight.PreflightError),
+                callbacks=[lambda study, trial: self.report()],
+            )
             if finished_count(self.study) == before:
-                raise SearchError(f"search.slots={self.search.slots}: {left} proposed points in a row were rejected "
-                                  "before their jobs; see the study's failed trials (user attribute 'rejected')")
+                raise SearchError(
+                    f"search.slots={self.search.slots}: {left} proposed points in a row were rejected "
+                    "before their jobs; see the study's failed trials (user attribute 'rejected')"
+                )
         report = self.report(final=True)
         complete = [t for t in self.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
         if not complete:
-            raise runner.StageFailed(f"layer search {self.search.study_name!r}: no trial completed; see {self.folder}/trials")
+            raise runner.StageFailed(
+                f"layer search {self.search.study_name!r}: no trial completed; see {self.folder}/trials"
+            )
         return report
 
     def extract_union(self) -> None:
@@ -382,8 +443,14 @@ class Study:
         point = suggest(trial, self.space)
         trial.set_user_attr("aux_layers", point)
         ended = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-        done = next((t for t in self.study.get_trials(deepcopy=False, states=ended)
-                     if t.user_attrs.get("aux_layers") == point and t.user_attrs.get("duplicate_of") is None), None)
+        done = next(
+            (
+                t
+                for t in self.study.get_trials(deepcopy=False, states=ended)
+                if t.user_attrs.get("aux_layers") == point and t.user_attrs.get("duplicate_of") is None
+            ),
+            None,
+        )
         if done is not None:  # a sampler re-proposes points of a discrete space: the outcome is known, no job runs
             trial.set_user_attr("duplicate_of", done.number)
             if done.state == optuna.trial.TrialState.PRUNED:  # training is deterministic: it would report the same
@@ -403,12 +470,18 @@ class Study:
             print(f"[search] trial {trial.number}: point {point} rejected before any job: {exc}")
             raise
         run_dir = self.folder / "trials" / f"{trial.number:04d}"
-        spec = pruning.SearchTrial(self.storage, self.search.study_name, trial._trial_id, trial.number,
-                                   self.search.prune_metric, self.search.pruner)
+        spec = pruning.SearchTrial(
+            self.storage,
+            self.search.study_name,
+            trial._trial_id,
+            trial.number,
+            self.search.prune_metric,
+            self.search.pruner,
+        )
         print(f"[search] trial {trial.number}: aux_layers={point} ({run_dir})")
         try:
             summary = run_pipeline(cfg, run_dir, sweep_dir=self.folder, search_trial=asdict(spec))
-        except runner.StageFailed as exc:
+        except runner.StageFailed:
             record = run_dir / pruning.PRUNED_RECORD
             child = tracking.child_run_id(self.uri, self.parent, run_dir)
             if record.exists():
@@ -428,10 +501,20 @@ class Study:
             rows = trial_rows(self.study)
             best = max((r for r in rows if r["state"] == "complete"), key=lambda r: r["value"], default=None)
             baseline = next((r for r in rows if r["baseline"] and r["state"] == "complete"), None)
-            plot = plot_objective(rows, len(self.space.slots), objective_name(self.base), self.folder / "objective_by_layers.png")
-            summary = {"study_name": self.search.study_name, "storage": self.storage, "objective": objective_name(self.base),
-                       "best": best, "baseline": baseline, "trials": rows, "mlflow_parent_run_id": self.parent,
-                       "union": self.space.union, "tracking_uri": self.uri}
+            plot = plot_objective(
+                rows, len(self.space.slots), objective_name(self.base), self.folder / "objective_by_layers.png"
+            )
+            summary = {
+                "study_name": self.search.study_name,
+                "storage": self.storage,
+                "objective": objective_name(self.base),
+                "best": best,
+                "baseline": baseline,
+                "trials": rows,
+                "mlflow_parent_run_id": self.parent,
+                "union": self.space.union,
+                "tracking_uri": self.uri,
+            }
             write_json(self.folder / "search.json", summary)
             tracking.search_progress(self.uri, self.parent, summary, plot, finished=final)
             return summary
@@ -439,12 +522,22 @@ class Study:
 
 def trial_rows(study) -> list[dict[str, Any]]:
     return [
-        {"number": t.number, "aux_layers": t.user_attrs.get("aux_layers"), "state": t.state.name.lower(),
-         "value": t.value, "baseline": bool(t.user_attrs.get("baseline")),
-         "rejected": t.user_attrs.get("rejected"), "retry_of": t.user_attrs.get("retry_of"),
-         "duplicate_of": t.user_attrs.get("duplicate_of"),
-         "pruned_at_step": max(t.intermediate_values) if t.state.name == "PRUNED" and t.intermediate_values else None,
-         "seconds": (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete and t.datetime_start else None}
+        {
+            "number": t.number,
+            "aux_layers": t.user_attrs.get("aux_layers"),
+            "state": t.state.name.lower(),
+            "value": t.value,
+            "baseline": bool(t.user_attrs.get("baseline")),
+            "rejected": t.user_attrs.get("rejected"),
+            "retry_of": t.user_attrs.get("retry_of"),
+            "duplicate_of": t.user_attrs.get("duplicate_of"),
+            "pruned_at_step": max(t.intermediate_values)
+            if t.state.name == "PRUNED" and t.intermediate_values
+            else None,
+            "seconds": (t.datetime_complete - t.datetime_start).total_seconds()
+            if t.datetime_complete and t.datetime_start
+            else None,
+        }
         for t in study.get_trials(deepcopy=False)
     ]
 
@@ -515,7 +608,9 @@ def main(cfg: DictConfig) -> int:
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        print(f"error: another driver is running study {search.study_name!r} ({folder / 'driver.lock'})", file=sys.stderr)
+        print(
+            f"error: another driver is running study {search.study_name!r} ({folder / 'driver.lock'})", file=sys.stderr
+        )
         return 2
     try:
         summary = Study(search, experiment, space, extract_cfg).run()
@@ -540,13 +635,23 @@ def print_result(summary: dict[str, Any]) -> None:
         table.add_column(col)
     for r in summary["trials"]:
         value = "" if r["value"] is None else f"{r['value']:.4f}"
-        state = r["state"] + (" (baseline)" if r["baseline"] else "") + (f" at step {r['pruned_at_step']}" if r["pruned_at_step"] else "")
+        state = (
+            r["state"]
+            + (" (baseline)" if r["baseline"] else "")
+            + (f" at step {r['pruned_at_step']}" if r["pruned_at_step"] else "")
+        )
         state += f" (= trial {r['duplicate_of']}, no job)" if r["duplicate_of"] is not None else ""
-        table.add_row(str(r["number"]), str(r["aux_layers"]), state, value, "" if r["seconds"] is None else f"{r['seconds']:.0f}")
+        table.add_row(
+            str(r["number"]), str(r["aux_layers"]), state, value, "" if r["seconds"] is None else f"{r['seconds']:.0f}"
+        )
     Console(width=200).print(table)
     best, baseline = summary["best"], summary["baseline"]
     if best:
-        print(f"best: aux_layers={best['aux_layers']} {summary['objective']}={best['value']:.4f} (trial {best['number']})")
+        print(
+            f"best: aux_layers={best['aux_layers']} {summary['objective']}={best['value']:.4f} (trial {best['number']})"
+        )
     if baseline:
         print(f"baseline: aux_layers={baseline['aux_layers']} {summary['objective']}={baseline['value']:.4f}")
-    print(f"MLflow parent run {summary['mlflow_parent_run_id']} ({summary['tracking_uri']}); study {summary['storage']}")
+    print(
+        f"MLflow parent run {summary['mlflow_parent_run_id']} ({summary['tracking_uri']}); study {summary['storage']}"
+    )

@@ -8,10 +8,13 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator import compute as compute_mod
 from orchestrator.artifacts import ArtifactError, dir_fingerprint, stable_hash
+
+if TYPE_CHECKING:
+    import torch
 from orchestrator.compute import Compute
 from orchestrator.config import RootConfig, TargetConfig
 
@@ -39,7 +42,12 @@ def ensure_target(cfg: RootConfig, progress: bool = True) -> Path:
     from orchestrator.tiny.build import build_tiny_target
 
     return build_tiny_target(
-        tiny_target_dir(t, cfg.outputs, cfg.seed), t.tiny.arch, dict(t.tiny.model), dict(t.tiny.train), cfg.seed, progress=progress
+        tiny_target_dir(t, cfg.outputs, cfg.seed),
+        t.tiny.arch,
+        dict(t.tiny.model),
+        dict(t.tiny.train),
+        cfg.seed,
+        progress=progress,
     )
 
 
@@ -67,7 +75,9 @@ def tokenizer_hash(path: Path) -> str:
         data = f.read_bytes()
         if name == "tokenizer_config.json":
             conf = json.loads(data)
-            data = json.dumps({k: conf.get(k) for k in ("chat_template", "eos_token", "bos_token")}, sort_keys=True).encode()
+            data = json.dumps(
+                {k: conf.get(k) for k in ("chat_template", "eos_token", "bos_token")}, sort_keys=True
+            ).encode()
         h.update(name.encode() + data)
     return h.hexdigest()[:16]
 
@@ -109,7 +119,6 @@ def load_target(path: Path, trust_remote_code: bool = False, compute: Compute | 
     `text_config`) loads as its text model under the wrapper's attribute (`orchestrator/wrappers.py`, which also
     lists what a real Kimi-K2.5 checkpoint needs beyond the tiny one); any other as HF's causal LM.
     """
-    import torch
     from transformers import AutoModelForCausalLM
 
     from orchestrator import wrappers
@@ -183,7 +192,6 @@ def load_head_tensors(path: Path) -> dict[str, "torch.Tensor"]:
     Returns keys `embed`, `norm`, `lm_head` (float32); `lm_head` falls back to `embed` for tied embeddings. In a
     wrapper checkpoint only the text model's weights (`language_model.*` for Kimi-K2.5) are candidates.
     """
-    import torch
     from safetensors import safe_open
 
     from orchestrator import wrappers

@@ -134,7 +134,11 @@ def ensure_store(uri: str, experiment: str) -> str:
     try:
         client = MlflowClient(tracking_uri=uri)
         exp = client.get_experiment_by_name(experiment)
-        experiment_id = exp.experiment_id if exp else client.create_experiment(experiment, artifact_location=artifact_root(uri, experiment))
+        experiment_id = (
+            exp.experiment_id
+            if exp
+            else client.create_experiment(experiment, artifact_location=artifact_root(uri, experiment))
+        )
         if not exp or exp.tags.get(RUNS_VIEW_TAG) != RUNS_VIEW:
             client.set_experiment_tag(experiment_id, RUNS_VIEW_TAG, RUNS_VIEW)
         return experiment_id
@@ -215,18 +219,38 @@ UI_WORKFLOW = "workflowType=machine_learning"
 RUNS_VIEW_KEY = "compare-layers"
 RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
 RUNS_VIEW_COLUMNS = [
-    "params.`aux_layers`", "metrics.`eval/acc_0`", "metrics.`train/val_acc_0`", "metrics.`serve/accept_length`",
-    "metrics.`eval/expected_accept_length`", "metrics.`serve/speedup`", "metrics.`serve/speedup_min`",
-    "metrics.`serve/speedup_max`", "metrics.`eval/mismatch`",
+    "params.`aux_layers`",
+    "metrics.`eval/acc_0`",
+    "metrics.`train/val_acc_0`",
+    "metrics.`serve/accept_length`",
+    "metrics.`eval/expected_accept_length`",
+    "metrics.`serve/speedup`",
+    "metrics.`serve/speedup_min`",
+    "metrics.`serve/speedup_max`",
+    "metrics.`eval/mismatch`",
 ]
 RUNS_VIEW = json.dumps({"selectedColumns": RUNS_VIEW_COLUMNS, "columnOrder": RUNS_VIEW_COLUMNS})
 
 # The config keys that decide a result, logged as params under their config path; the full resolved config is
 # the `config.yaml` artifact. The layer list appears once (`aux_layers`): every stage takes it.
 CURATED_PARAMS = (
-    "aux_layers", "target.name", "data.name", "data.regenerate.enabled", "data.max_seq_len",
-    "draft.draft_vocab_size", "train.ttt_steps", "train.lr", "train.epochs", "train.max_steps", "train.batch_size",
-    "serve.engine", "serve.num_steps", "serve.eagle_topk", "serve.num_draft_tokens", "serve.repeats", "seed",
+    "aux_layers",
+    "target.name",
+    "data.name",
+    "data.regenerate.enabled",
+    "data.max_seq_len",
+    "draft.draft_vocab_size",
+    "train.ttt_steps",
+    "train.lr",
+    "train.epochs",
+    "train.max_steps",
+    "train.batch_size",
+    "serve.engine",
+    "serve.num_steps",
+    "serve.eagle_topk",
+    "serve.num_draft_tokens",
+    "serve.repeats",
+    "seed",
 )
 
 
@@ -247,15 +271,23 @@ def run_label(aux_layers: list[int], seed: Any, run_id: str, cached: Sequence[st
 def curated_params(resolved: Mapping[str, Any]) -> dict[str, str]:
     """The CURATED_PARAMS found in the resolved config; lists read `1, 4, 6` (the UI draws JSON lists as trees)."""
     flat = flatten(resolved)
-    return {k: ", ".join(map(str, flat[k])) if isinstance(flat[k], list) else flat[k] for k in CURATED_PARAMS if k in flat}
+    return {
+        k: ", ".join(map(str, flat[k])) if isinstance(flat[k], list) else flat[k] for k in CURATED_PARAMS if k in flat
+    }
 
 
 def _numbers(values: Mapping[str, Any], keys: Iterable[str]) -> dict[str, float]:
-    return {k: float(values[k]) for k in keys if isinstance(values.get(k), (int, float)) and not isinstance(values.get(k), bool)}
+    return {
+        k: float(values[k])
+        for k in keys
+        if isinstance(values.get(k), (int, float)) and not isinstance(values.get(k), bool)
+    }
 
 
 def _positions(values: Mapping[str, Any], stem: str) -> list[str]:
-    return sorted((k for k in values if k.startswith(stem) and k[len(stem):].isdigit()), key=lambda k: int(k[len(stem):]))
+    return sorted(
+        (k for k in values if k.startswith(stem) and k[len(stem) :].isdigit()), key=lambda k: int(k[len(stem) :])
+    )
 
 
 def train_step_metrics(loss: float, lr: float, tokens_per_s: float, stats: Mapping[str, float]) -> dict[str, float]:
@@ -278,8 +310,15 @@ def stage_metrics(stage: str, result: Mapping[str, Any]) -> dict[str, float]:
         keys = ("tokens", "tokens_per_s", "bytes_per_token", "regenerate_s", "loss_tokens_per_sequence")
         out = _numbers(result, keys)
     elif stage == "eval":
-        keys = [*_positions(result, "acc_"), *_positions(result, "trained_states_acc_"), *_positions(result, "acc_gap_"),
-                *_positions(result, "acc_gap_se_"), "expected_accept_length", "sequences", "verify_passes"]
+        keys = [
+            *_positions(result, "acc_"),
+            *_positions(result, "trained_states_acc_"),
+            *_positions(result, "acc_gap_"),
+            *_positions(result, "acc_gap_se_"),
+            "expected_accept_length",
+            "sequences",
+            "verify_passes",
+        ]
         out = _numbers(result, keys) | {"mismatch": float(bool(result.get("mismatch")))}
     elif stage == "serve":
         out = _serve_metrics(result)
@@ -297,7 +336,10 @@ def _serve_metrics(result: Mapping[str, Any]) -> dict[str, float]:
     out |= {k: float(v) for k, v in result.items() if k.endswith("_ms") and isinstance(v, (int, float))}
     out |= {f"accept_rate_{i}": r for i, r in enumerate(result.get("accept_rate_by_position", []))}
     for row in rows[1:]:  # the headline is the first concurrency; others get their own names
-        out |= {f"c{row['concurrency']}_{k}": v for k, v in _numbers(row, ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length")).items()}
+        out |= {
+            f"c{row['concurrency']}_{k}": v
+            for k, v in _numbers(row, ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length")).items()
+        }
     out["greedy_outputs_identical"] = float(bool(result.get("greedy_outputs_identical")))
     out["mismatch"] = float(bool(result.get("mismatch")))
     return out
@@ -309,8 +351,14 @@ def _spread(row: Mapping[str, Any]) -> dict[str, float]:
     base, spec = row.get("baseline_tok_s_passes") or [], row.get("spec_tok_s_passes") or []
     if not base or not spec:
         return {}
-    return {"baseline_tok_s_min": min(base), "baseline_tok_s_max": max(base), "spec_tok_s_min": min(spec),
-            "spec_tok_s_max": max(spec), "speedup_min": min(spec) / max(base), "speedup_max": max(spec) / min(base)}
+    return {
+        "baseline_tok_s_min": min(base),
+        "baseline_tok_s_max": max(base),
+        "spec_tok_s_min": min(spec),
+        "spec_tok_s_max": max(spec),
+        "speedup_min": min(spec) / max(base),
+        "speedup_max": max(spec) / min(base),
+    }
 
 
 def compute_params(described: Mapping[str, Any]) -> dict[str, Any]:
@@ -345,7 +393,14 @@ def run_note(summary: Mapping[str, Any]) -> str:
         rows.append(("accept length, served (tokens per verify pass, bonus included)", f"{serve['accept_length']:.2f}"))
     expected = ev.get("expected_accept_length", train.get("val_expected_accept_length"))
     if expected is not None:
-        rows.append(("expected accept length (eval)" if "expected_accept_length" in ev else "expected accept length (training)", f"{expected:.2f}"))
+        rows.append(
+            (
+                "expected accept length (eval)"
+                if "expected_accept_length" in ev
+                else "expected accept length (training)",
+                f"{expected:.2f}",
+            )
+        )
     if "speedup" in serve:
         spread = _spread((serve.get("per_concurrency") or [{}])[0])
         span = f" (range {spread['speedup_min']:.2f}-{spread['speedup_max']:.2f} over the passes)" if spread else ""
@@ -365,14 +420,29 @@ def run_note(summary: Mapping[str, Any]) -> str:
 SEARCH_OBJECTIVE = "search/objective"
 
 
-def search_started(uri: str, parent_run_id: str, study_name: str, storage: str, folder: Path, objective: str,
-                   slots: Sequence[Sequence[int]], union: Sequence[int]) -> None:
+def search_started(
+    uri: str,
+    parent_run_id: str,
+    study_name: str,
+    storage: str,
+    folder: Path,
+    objective: str,
+    slots: Sequence[Sequence[int]],
+    union: Sequence[int],
+) -> None:
     """The study's parent run, (re)opened: named by the study, with where it lives and what it searches."""
     tracker = Tracker(uri, parent_run_id)
     tracker.client.update_run(parent_run_id, status="RUNNING", name=f"{study_name} · layer search")
-    tracker.tags({"search.study_name": study_name, "search.storage": storage, "search.folder": str(folder),
-                  "search.objective": objective, "search.slots": json.dumps([list(s) for s in slots]),
-                  "search.union": json.dumps(list(union))})
+    tracker.tags(
+        {
+            "search.study_name": study_name,
+            "search.storage": storage,
+            "search.folder": str(folder),
+            "search.objective": objective,
+            "search.slots": json.dumps([list(s) for s in slots]),
+            "search.union": json.dumps(list(union)),
+        }
+    )
 
 
 def union_extracted(uri: str, run_id: str, union: Sequence[int]) -> None:
@@ -391,8 +461,15 @@ def child_run_id(uri: str, parent_run_id: str, run_dir: Path) -> str | None:
     return next((r.info.run_id for r in runs if r.data.tags.get("run_dir") == str(Path(run_dir).resolve())), None)
 
 
-def trial_ended(uri: str, run_id: str | None, number: int, state: str, objective: str | None = None,
-                value: float | None = None, pruned_at_step: int | None = None) -> None:
+def trial_ended(
+    uri: str,
+    run_id: str | None,
+    number: int,
+    state: str,
+    objective: str | None = None,
+    value: float | None = None,
+    pruned_at_step: int | None = None,
+) -> None:
     """A trial's child run: its state (complete, pruned, failed, interrupted) as a tag, its value as
     `search/objective`; a pruned trial's run ends KILLED (MLflow has no pruned status), as does one whose driver
     was killed (its point runs again in a new trial); a failed one stays FAILED."""
@@ -437,10 +514,14 @@ def search_note(summary: Mapping[str, Any]) -> str:
     rows = sorted(summary["trials"], key=lambda r: (r["value"] is None, -(r["value"] or 0.0), r["number"]))
     lines = [f"### layer search `{summary['study_name']}`: {name}, maximised", ""]
     if summary["best"]:
-        lines.append(f"best: **{layers_label(summary['best']['aux_layers'])}** = {summary['best']['value']:.4f}"
-                     f" (trial {summary['best']['number']})")
+        lines.append(
+            f"best: **{layers_label(summary['best']['aux_layers'])}** = {summary['best']['value']:.4f}"
+            f" (trial {summary['best']['number']})"
+        )
     if summary["baseline"]:
-        lines.append(f"; baseline {layers_label(summary['baseline']['aux_layers'])} = {summary['baseline']['value']:.4f}")
+        lines.append(
+            f"; baseline {layers_label(summary['baseline']['aux_layers'])} = {summary['baseline']['value']:.4f}"
+        )
     lines += ["", f"| trial | layers | state | {name} |", "|---|---|---|---|"]
     for r in rows:
         layers = layers_label(r["aux_layers"]) if r["aux_layers"] else "-"

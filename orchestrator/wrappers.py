@@ -121,7 +121,9 @@ def load_text_model(path: Path, config: dict[str, Any], wrapper: Wrapper, placem
         )
     text_class = getattr(transformers, wrapper.text_architecture)
     # The real text_config may name a remote-code model_type (kimi_k2) and auto_map; the fields are DeepSeek-V3's.
-    text_fields = {k: v for k, v in config["text_config"].items() if k not in ("model_type", "architectures", "auto_map")}
+    text_fields = {
+        k: v for k, v in config["text_config"].items() if k not in ("model_type", "architectures", "auto_map")
+    }
     text_config = text_class.config_class.from_dict(text_fields)
     model, info = text_class.from_pretrained(
         path,

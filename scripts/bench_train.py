@@ -25,7 +25,9 @@ from orchestrator.stages import train as T
 
 def main(overrides: list[str]) -> None:
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = load(compose("config", overrides=["+experiment=tiny_eagle3", "stages=[extract]", "cluster=debug", *overrides]))
+        cfg = load(
+            compose("config", overrides=["+experiment=tiny_eagle3", "stages=[extract]", "cluster=debug", *overrides])
+        )
     run_dir = Path(tempfile.mkdtemp(prefix="bench_train_"))
     run_pipeline(cfg, run_dir)
     plan = make_plan(cfg, run_dir)
@@ -59,7 +61,9 @@ def main(overrides: list[str]) -> None:
     train_tps = train_tokens / (time.perf_counter() - started)
     print(f"shards read and checksummed once: {read_s:.2f} s for {len(seqs)} sequences")
     print(f"loader:   {loader_tps:12,.0f} tokens/s")
-    print(f"training: {train_tps:12,.0f} tokens/s  (ttt_steps={tc.ttt_steps}, batch {tc.batch_size}, {torch.get_num_threads()} threads)")
+    print(
+        f"training: {train_tps:12,.0f} tokens/s  (ttt_steps={tc.ttt_steps}, batch {tc.batch_size}, {torch.get_num_threads()} threads)"
+    )
     print(f"loader/training ratio: {loader_tps / train_tps:.1f}x")
 
 

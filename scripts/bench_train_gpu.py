@@ -36,8 +36,8 @@ import json
 import sys
 import time
 import traceback
-from importlib import metadata
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,10 +53,32 @@ from orchestrator.stages.train import Batch, TeacherHead, TrainStep, optimizer_s
 
 # conf/draft/kimi_k25.yaml over conf/target/kimi_k25.yaml (hidden, vocabulary, rope theta); a test keeps them equal.
 SHAPES = {
-    "kimi": dict(target_hidden=7168, vocab=163840, num_aux=3, hidden=7168, heads=64, kv_heads=64, head_dim=128,
-                 intermediate=18432, draft_vocab=32000, eps=1e-6, rope_theta=50000.0),
-    "tiny": dict(target_hidden=64, vocab=1024, num_aux=3, hidden=64, heads=4, kv_heads=4, head_dim=16,
-                 intermediate=128, draft_vocab=256, eps=1e-6, rope_theta=10000.0),
+    "kimi": dict(
+        target_hidden=7168,
+        vocab=163840,
+        num_aux=3,
+        hidden=7168,
+        heads=64,
+        kv_heads=64,
+        head_dim=128,
+        intermediate=18432,
+        draft_vocab=32000,
+        eps=1e-6,
+        rope_theta=50000.0,
+    ),
+    "tiny": dict(
+        target_hidden=64,
+        vocab=1024,
+        num_aux=3,
+        hidden=64,
+        heads=4,
+        kv_heads=4,
+        head_dim=16,
+        intermediate=128,
+        draft_vocab=256,
+        eps=1e-6,
+        rope_theta=10000.0,
+    ),
 }
 # conf/train/default.yaml
 TTT_STEPS, STEP_WEIGHT_DECAY = 7, 0.8
@@ -69,9 +91,20 @@ PROJECT = "project"
 
 def shape_of(name: str, seq: int) -> DraftShape:
     s = SHAPES[name]
-    return default_shape(s["target_hidden"], s["vocab"], s["num_aux"], s["hidden"], s["heads"], s["kv_heads"],
-                         s["head_dim"], s["intermediate"], s["draft_vocab"], s["eps"], s["rope_theta"],
-                         max(seq + TTT_STEPS, 2048))
+    return default_shape(
+        s["target_hidden"],
+        s["vocab"],
+        s["num_aux"],
+        s["hidden"],
+        s["heads"],
+        s["kv_heads"],
+        s["head_dim"],
+        s["intermediate"],
+        s["draft_vocab"],
+        s["eps"],
+        s["rope_theta"],
+        max(seq + TTT_STEPS, 2048),
+    )
 
 
 def flops_per_token(s: DraftShape, seq: int, ttt: int = TTT_STEPS) -> float:
@@ -104,8 +137,9 @@ def vocab_map(s: DraftShape, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return build_vocab_map(counts, s.draft_vocab_size)
 
 
-def synthetic(s: DraftShape, seq: int, device: torch.device, seed: int,
-              mapping: tuple[torch.Tensor, torch.Tensor] | None = None) -> Data:
+def synthetic(
+    s: DraftShape, seq: int, device: torch.device, seed: int, mapping: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> Data:
     gen = torch.Generator(device=device).manual_seed(seed)
     ids = torch.randint(0, s.vocab_size, (1, seq), generator=gen, device=device)
     aux = torch.randn(1, seq, s.num_aux_layers * s.target_hidden_size, generator=gen, device=device)
@@ -119,11 +153,15 @@ def synthetic(s: DraftShape, seq: int, device: torch.device, seed: int,
 def teacher_weights(s: DraftShape, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     lm_head = torch.randn(s.vocab_size, s.target_hidden_size, generator=gen, device=device)
-    return {"norm": torch.ones(s.target_hidden_size, device=device), "lm_head": lm_head.mul_(s.target_hidden_size**-0.5)}
+    return {
+        "norm": torch.ones(s.target_hidden_size, device=device),
+        "lm_head": lm_head.mul_(s.target_hidden_size**-0.5),
+    }
 
 
-def project_step(s: DraftShape, data: Data, device: torch.device, dtype: torch.dtype, seed: int,
-                 held: list | None = None) -> Callable[[], None]:
+def project_step(
+    s: DraftShape, data: Data, device: torch.device, dtype: torch.dtype, seed: int, held: list | None = None
+) -> Callable[[], None]:
     """One optimizer step of the train stage's loop (`train.run`) on a world of one. `held`, when given,
     receives what the step holds between steps (the draft, the teacher head, the optimizer)."""
     torch.manual_seed(seed)
@@ -144,7 +182,9 @@ def project_step(s: DraftShape, data: Data, device: torch.device, dtype: torch.d
 
     def step() -> None:
         denominators = step_counts(batch, TTT_STEPS).clamp(min=1)
-        optimizer_step(model, head, batch, TTT_STEPS, kept, weights, denominators.to(device), optim, params, GRAD_CLIP, bf16)
+        optimizer_step(
+            model, head, batch, TTT_STEPS, kept, weights, denominators.to(device), optim, params, GRAD_CLIP, bf16
+        )
 
     return step
 
@@ -152,8 +192,10 @@ def project_step(s: DraftShape, data: Data, device: torch.device, dtype: torch.d
 def specforge_unavailable(device: torch.device) -> str | None:
     """Why SpecForge cannot be timed here, or None."""
     if device.type != "cuda":
-        return (f"device is {device.type}: SpecForge's loss is a triton GPU kernel (specforge/core/loss.py) and its "
-                "norms and teacher are torch.compile'd for a GPU")
+        return (
+            f"device is {device.type}: SpecForge's loss is a triton GPU kernel (specforge/core/loss.py) and its "
+            "norms and teacher are torch.compile'd for a GPU"
+        )
     try:
         import specforge.algorithms.eagle3.model  # noqa: F401  (imports triton for the loss)
         import specforge.modeling.draft.llama3_eagle  # noqa: F401
@@ -163,21 +205,31 @@ def specforge_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def specforge_step(s: DraftShape, data: Data, device: torch.device, backend: str, teacher_mode: str, seed: int) -> Callable[[], None]:
+def specforge_step(
+    s: DraftShape, data: Data, device: torch.device, backend: str, teacher_mode: str, seed: int
+) -> Callable[[], None]:
     """One step of SpecForge 0.2.0's trainer for EAGLE-3 on a world of one (no FSDP wrapper): its strategy's
     forward (`training/strategies/base.py` Eagle3TrainStrategy.forward_loss), backward and `BF16Optimizer.step`."""
-    from transformers import LlamaConfig
-
     from specforge.algorithms.eagle3.model import OnlineEagle3Model
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
     from specforge.optimizer import BF16Optimizer
     from specforge.utils import padding
+    from transformers import LlamaConfig
 
     config = LlamaConfig(
-        hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads, num_key_value_heads=s.num_key_value_heads,
-        head_dim=s.head_dim, intermediate_size=s.intermediate_size, vocab_size=s.vocab_size, rms_norm_eps=s.rms_norm_eps,
-        max_position_embeddings=s.max_position_embeddings, rope_theta=s.rope_theta, hidden_act="silu",
-        num_hidden_layers=1, pretraining_tp=1, tie_word_embeddings=False,
+        hidden_size=s.hidden_size,
+        num_attention_heads=s.num_attention_heads,
+        num_key_value_heads=s.num_key_value_heads,
+        head_dim=s.head_dim,
+        intermediate_size=s.intermediate_size,
+        vocab_size=s.vocab_size,
+        rms_norm_eps=s.rms_norm_eps,
+        max_position_embeddings=s.max_position_embeddings,
+        rope_theta=s.rope_theta,
+        hidden_act="silu",
+        num_hidden_layers=1,
+        pretraining_tp=1,
+        tie_word_embeddings=False,
     )
     config.draft_vocab_size = s.draft_vocab_size
     config.target_hidden_size = s.target_hidden_size
@@ -216,8 +268,9 @@ def specforge_step(s: DraftShape, data: Data, device: torch.device, backend: str
                 target = target_head(padding(teacher, left=False))
         else:
             target = precomputed
-        plosses, *_ = model(input_ids=input_ids, attention_mask=attention_mask, target=target, loss_mask=mask,
-                            hidden_states=hidden)
+        plosses, *_ = model(
+            input_ids=input_ids, attention_mask=attention_mask, target=target, loss_mask=mask, hidden_states=hidden
+        )
         loss = sum(STEP_WEIGHT_DECAY**i * p for i, p in enumerate(plosses))
         loss.backward()
         optimizer.step()
@@ -249,8 +302,16 @@ def timed(build: Callable[[], Callable[[], None]], device: torch.device, steps: 
     return time.perf_counter() - started
 
 
-def measure(name: str, seq: int, build: Callable[[], Callable[[], None]], device: torch.device, steps: int,
-            warmup: int, flops: float, peak_tflops: float | None) -> dict[str, Any]:
+def measure(
+    name: str,
+    seq: int,
+    build: Callable[[], Callable[[], None]],
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    flops: float,
+    peak_tflops: float | None,
+) -> dict[str, Any]:
     """Times `steps` steps after `warmup` ones; the peak memory covers building, warming up and the timed steps."""
     row: dict[str, Any] = {"implementation": name, "seq": seq, "tokens_per_step": seq, "flops_per_token": flops}
     release(device)
@@ -258,13 +319,20 @@ def measure(name: str, seq: int, build: Callable[[], Callable[[], None]], device
         elapsed = timed(build, device, steps, warmup)
     except Exception as exc:
         oom = is_out_of_memory(exc)
-        row |= {"status": "out of memory" if oom else "error", "reason": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"}
+        row |= {
+            "status": "out of memory" if oom else "error",
+            "reason": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+        }
         if not oom:
             traceback.print_exc()
     else:
         tps = steps * seq / elapsed
-        row |= {"status": "measured", "step_s": elapsed / steps, "tokens_per_s": tps,
-                "mfu": tps * flops / (peak_tflops * 1e12) if peak_tflops else None}
+        row |= {
+            "status": "measured",
+            "step_s": elapsed / steps,
+            "tokens_per_s": tps,
+            "mfu": tps * flops / (peak_tflops * 1e12) if peak_tflops else None,
+        }
     peak = peak_memory_bytes(device)
     row["peak_allocated_gib"] = None if peak is None else peak / GIB
     row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB if device.type == "cuda" else None
@@ -282,7 +350,9 @@ def _mem_tracker_class():
 
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
             frozen = any(not p.requires_grad for p in module.parameters())
-            return super()._track_module_params_and_buffers(module, install_grad_hooks=install_grad_hooks and not frozen)
+            return super()._track_module_params_and_buffers(
+                module, install_grad_hooks=install_grad_hooks and not frozen
+            )
 
     return FrozenAware
 
@@ -304,7 +374,10 @@ def estimate_memory(shape_name: str, seq: int, seed: int, steps: int = 2, fake: 
     s = shape_of(shape_name, seq)
     cpu = torch.device("cpu")
     mapping = vocab_map(s, seed)
-    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+    with (
+        FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(),
+        sdpa_kernel([SDPBackend.FLASH_ATTENTION]),
+    ):
         data = synthetic(s, seq, cpu, seed, mapping)
         held: list = []
         step = project_step(s, data, cpu, torch.bfloat16, seed, held)
@@ -316,8 +389,13 @@ def estimate_memory(shape_name: str, seq: int, seed: int, steps: int = 2, fake: 
                 tracker.reset_mod_stats()  # per-module figures are per call; the peak is the tracker's own
         peak = tracker.get_tracker_snapshot("peak")[cpu]
     kinds = {str(kind).split(".")[-1].lower(): value / GIB for kind, value in peak.items() if str(kind) != "Total"}
-    return {"implementation": PROJECT, "seq": seq, "status": "estimated", "peak_estimated_gib": peak["Total"] / GIB,
-            "by_kind_gib": {k: v for k, v in kinds.items() if v > 0}}
+    return {
+        "implementation": PROJECT,
+        "seq": seq,
+        "status": "estimated",
+        "peak_estimated_gib": peak["Total"] / GIB,
+        "by_kind_gib": {k: v for k, v in kinds.items() if v > 0},
+    }
 
 
 def skipped(name: str, seq: int, reason: str) -> dict[str, Any]:
@@ -325,12 +403,15 @@ def skipped(name: str, seq: int, reason: str) -> dict[str, Any]:
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    flex = {r["seq"]: r for r in rows if r["implementation"] == "specforge:flex_attention" and r["status"] == "measured"}
+    flex = {
+        r["seq"]: r for r in rows if r["implementation"] == "specforge:flex_attention" and r["status"] == "measured"
+    }
     for r in rows:
         if r["implementation"] == PROJECT and r["status"] != "estimated":
             other = flex.get(r["seq"])
-            r["ratio_to_specforge_flex"] = (r["tokens_per_s"] / other["tokens_per_s"]
-                                            if other and r["status"] == "measured" else None)
+            r["ratio_to_specforge_flex"] = (
+                r["tokens_per_s"] / other["tokens_per_s"] if other and r["status"] == "measured" else None
+            )
 
 
 def check_targets(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -338,14 +419,23 @@ def check_targets(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     below 80 GiB (an out-of-memory project step fails it)."""
     project = {r["seq"]: r for r in rows if r["implementation"] == PROJECT and r["status"] != "estimated"}
     flex = {r["seq"]: r for r in rows if r["implementation"] == "specforge:flex_attention"}
-    ratio: dict[str, Any] = {"target": f">= {RATIO_TARGET}x SpecForge flex_attention tokens/s at seq 2048", "status": "UNMEASURED"}
+    ratio: dict[str, Any] = {
+        "target": f">= {RATIO_TARGET}x SpecForge flex_attention tokens/s at seq 2048",
+        "status": "UNMEASURED",
+    }
     p, f = project.get(2048), flex.get(2048)
     if p and f and f["status"] == "measured":
         if p["status"] == "measured":
-            ratio |= {"value": p["ratio_to_specforge_flex"], "status": "PASS" if p["ratio_to_specforge_flex"] >= RATIO_TARGET else "FAIL"}
+            ratio |= {
+                "value": p["ratio_to_specforge_flex"],
+                "status": "PASS" if p["ratio_to_specforge_flex"] >= RATIO_TARGET else "FAIL",
+            }
         elif p["status"] == "out of memory":
             ratio["status"] = "FAIL"
-    memory: dict[str, Any] = {"target": f"seq 8192 trains with a peak below {MEMORY_TARGET_GIB:.0f} GiB", "status": "UNMEASURED"}
+    memory: dict[str, Any] = {
+        "target": f"seq 8192 trains with a peak below {MEMORY_TARGET_GIB:.0f} GiB",
+        "status": "UNMEASURED",
+    }
     estimate = next((r for r in rows if r["status"] == "estimated" and r["seq"] == 8192), None)
     if estimate:  # a figure without a GPU; the target's status still needs the GPU's own peak
         memory["estimate_gib"] = estimate["peak_estimated_gib"]
@@ -353,7 +443,10 @@ def check_targets(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     if p and p["status"] == "out of memory":
         memory["status"] = "FAIL"
     elif p and p["status"] == "measured" and p["peak_allocated_gib"] is not None:
-        memory |= {"value": p["peak_allocated_gib"], "status": "PASS" if p["peak_allocated_gib"] < MEMORY_TARGET_GIB else "FAIL"}
+        memory |= {
+            "value": p["peak_allocated_gib"],
+            "status": "PASS" if p["peak_allocated_gib"] < MEMORY_TARGET_GIB else "FAIL",
+        }
     return {"ratio_2048": ratio, "memory_8192": memory}
 
 
@@ -362,30 +455,60 @@ def fmt(value: float | None, spec: str) -> str:
 
 
 def report(result: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"Training step, {result['shape_name']} draft shape, batch 1, TTT {TTT_STEPS}, {result['device_name']}")
-    for column in ("implementation", "seq", "status", "tokens/s", "step ms", "peak GiB", "reserved GiB", "MFU", "x SpecForge flex"):
+    table = Table(
+        title=f"Training step, {result['shape_name']} draft shape, batch 1, TTT {TTT_STEPS}, {result['device_name']}"
+    )
+    for column in (
+        "implementation",
+        "seq",
+        "status",
+        "tokens/s",
+        "step ms",
+        "peak GiB",
+        "reserved GiB",
+        "MFU",
+        "x SpecForge flex",
+    ):
         table.add_column(column, justify="left" if column in ("implementation", "status") else "right")
     for r in result["results"]:
         peak = r.get("peak_allocated_gib", r.get("peak_estimated_gib"))
-        table.add_row(r["implementation"], str(r["seq"]), r["status"], fmt(r.get("tokens_per_s"), ",.0f"),
-                      fmt(r["step_s"] * 1e3 if r.get("step_s") else None, ",.1f"), fmt(peak, ".1f"),
-                      fmt(r.get("peak_reserved_gib"), ".1f"), fmt(r.get("mfu"), ".1%"), fmt(r.get("ratio_to_specforge_flex"), ".2f"))
+        table.add_row(
+            r["implementation"],
+            str(r["seq"]),
+            r["status"],
+            fmt(r.get("tokens_per_s"), ",.0f"),
+            fmt(r["step_s"] * 1e3 if r.get("step_s") else None, ",.1f"),
+            fmt(peak, ".1f"),
+            fmt(r.get("peak_reserved_gib"), ".1f"),
+            fmt(r.get("mfu"), ".1%"),
+            fmt(r.get("ratio_to_specforge_flex"), ".2f"),
+        )
     console.print(table)
-    reasons = dict.fromkeys(f"{r['implementation']} {r['status']}: {r['reason']}" for r in result["results"] if r.get("reason"))
+    reasons = dict.fromkeys(
+        f"{r['implementation']} {r['status']}: {r['reason']}" for r in result["results"] if r.get("reason")
+    )
     for line in reasons:
         console.print(line, soft_wrap=True)
     if result["peak_tflops"]:
-        console.print(f"MFU: model FLOPs per token (DOMAIN.md §8) x tokens/s over an assumed dense bf16 peak of "
-                      f"{result['peak_tflops']:g} TFLOP/s (--peak-tflops; 790 is an H200's).")
+        console.print(
+            f"MFU: model FLOPs per token (DOMAIN.md §8) x tokens/s over an assumed dense bf16 peak of "
+            f"{result['peak_tflops']:g} TFLOP/s (--peak-tflops; 790 is an H200's)."
+        )
     for r in result["results"]:
         if r["status"] == "estimated":
             kinds = ", ".join(f"{k} {v:.1f}" for k, v in r["by_kind_gib"].items())
-            console.print(f"estimated peak at seq {r['seq']}: {r['peak_estimated_gib']:.1f} GiB ({kinds}): fake tensors "
-                          "under torch's MemTracker, no GPU (--estimate-memory)", soft_wrap=True)
+            console.print(
+                f"estimated peak at seq {r['seq']}: {r['peak_estimated_gib']:.1f} GiB ({kinds}): fake tensors "
+                "under torch's MemTracker, no GPU (--estimate-memory)",
+                soft_wrap=True,
+            )
     t = result["targets"]
-    parts = [f"{v['target']}: {v['status']}" + (f" ({v['value']:.2f})" if v.get("value") is not None else "")
-             + (f" (estimated without a GPU: {v['estimate_gib']:.1f} GiB)" if v.get("estimate_gib") is not None else "")
-             for v in t.values()]
+    parts = [
+        f"{v['target']}: {v['status']}"
+        + (f" ({v['value']:.2f})" if v.get("value") is not None else "")
+        + (f" (estimated without a GPU: {v['estimate_gib']:.1f} GiB)" if v.get("estimate_gib") is not None else "")
+        for v in t.values()
+    ]
     console.print("targets: " + "; ".join(parts), soft_wrap=True)
 
 
@@ -396,22 +519,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seqs", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (SpecForge compiles in them)")
-    ap.add_argument("--specforge-backends", nargs="*", default=["flex_attention", "sdpa"], choices=["flex_attention", "sdpa", "fa"])
-    ap.add_argument("--specforge-teacher", choices=["head", "logits"], default="head",
-                    help="head: SpecForge's teacher logits from the same teacher states in the step (the project's work); "
-                         "logits: made once outside the timing, as online capture delivers them")
-    ap.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default="auto", help="the project's train.precision")
+    ap.add_argument(
+        "--specforge-backends", nargs="*", default=["flex_attention", "sdpa"], choices=["flex_attention", "sdpa", "fa"]
+    )
+    ap.add_argument(
+        "--specforge-teacher",
+        choices=["head", "logits"],
+        default="head",
+        help="head: SpecForge's teacher logits from the same teacher states in the step (the project's work); "
+        "logits: made once outside the timing, as online capture delivers them",
+    )
+    ap.add_argument(
+        "--precision", choices=["auto", "float32", "bfloat16"], default="auto", help="the project's train.precision"
+    )
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak of the GPU for MFU (790: H200)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--estimate-memory", action="store_true",
-                    help="also estimate the project's peak memory per length on fake tensors (seconds, no GPU needed)")
+    ap.add_argument(
+        "--estimate-memory",
+        action="store_true",
+        help="also estimate the project's peak memory per length on fake tensors (seconds, no GPU needed)",
+    )
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            ap.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA device; use --device cpu --shape tiny")
+            ap.error(
+                f"--device {args.device}: torch {torch.__version__} sees no CUDA device; use --device cpu --shape tiny"
+            )
         torch.cuda.set_device(device)
     dtype = DTYPES[resolve_precision(args.precision, 1 if device.type == "cuda" else 0)]
     peak_tflops = args.peak_tflops if device.type == "cuda" else None
@@ -428,16 +564,36 @@ def main(argv: list[str] | None = None) -> int:
         s = shape_of(args.shape, seq)
         flops = flops_per_token(s, seq)
         data = synthetic(s, seq, device, args.seed)
-        rows.append(measure(PROJECT, seq, lambda: project_step(s, data, device, dtype, args.seed), device,
-                            args.steps, args.warmup, flops, peak_tflops))
+        rows.append(
+            measure(
+                PROJECT,
+                seq,
+                lambda: project_step(s, data, device, dtype, args.seed),
+                device,
+                args.steps,
+                args.warmup,
+                flops,
+                peak_tflops,
+            )
+        )
         for backend in args.specforge_backends:
             name = f"specforge:{backend}"
             if unavailable:
                 rows.append(skipped(name, seq, unavailable))
                 continue
-            rows.append(measure(name, seq, lambda: specforge_step(s, data, device, backend, args.specforge_teacher, args.seed),
-                                device, args.steps, args.warmup, flops, peak_tflops))
-        del data
+            rows.append(
+                measure(
+                    name,
+                    seq,
+                    lambda: specforge_step(s, data, device, backend, args.specforge_teacher, args.seed),
+                    device,
+                    args.steps,
+                    args.warmup,
+                    flops,
+                    peak_tflops,
+                )
+            )
+        data = None  # this length's tensors go before the next length's
         release(device)
         console.print(f"seq {seq}: done", style="dim")
     add_ratios(rows)
@@ -450,13 +606,25 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "scripts/bench_train_gpu.py",
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "transformers": transformers.__version__, "specforge": specforge_version,
-        "shape_name": args.shape, "shape": shape_of(args.shape, max(args.seqs)).as_dict(),
-        "batch_size": 1, "ttt_steps": TTT_STEPS, "step_weight_decay": STEP_WEIGHT_DECAY, "steps": args.steps, "warmup": args.warmup,
-        "precision": {"project": f"{str(dtype).removeprefix('torch.')} autocast over float32 weights and AdamW" if dtype == torch.bfloat16 else str(dtype).removeprefix("torch."),
-                      "specforge": "bfloat16 weights, float32 master weights and AdamW (BF16Optimizer), no FSDP"},
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "specforge": specforge_version,
+        "shape_name": args.shape,
+        "shape": shape_of(args.shape, max(args.seqs)).as_dict(),
+        "batch_size": 1,
+        "ttt_steps": TTT_STEPS,
+        "step_weight_decay": STEP_WEIGHT_DECAY,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "precision": {
+            "project": f"{str(dtype).removeprefix('torch.')} autocast over float32 weights and AdamW"
+            if dtype == torch.bfloat16
+            else str(dtype).removeprefix("torch."),
+            "specforge": "bfloat16 weights, float32 master weights and AdamW (BF16Optimizer), no FSDP",
+        },
         "specforge_teacher": args.specforge_teacher,
-        "peak_tflops": peak_tflops, "peak_tflops_assumed": peak_tflops is not None,
+        "peak_tflops": peak_tflops,
+        "peak_tflops_assumed": peak_tflops is not None,
         "results": rows,
         "targets": check_targets(rows),
     }

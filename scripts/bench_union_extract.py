@@ -28,7 +28,18 @@ UNION = "[0,1,2,3,4,5,6]"
 
 def config(outputs: Path, *overrides: str):
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return load(compose("config", overrides=["+experiment=tiny_eagle3", f"outputs_dir={outputs}", "stages=[extract]", "cluster=debug", *overrides]))
+        return load(
+            compose(
+                "config",
+                overrides=[
+                    "+experiment=tiny_eagle3",
+                    f"outputs_dir={outputs}",
+                    "stages=[extract]",
+                    "cluster=debug",
+                    *overrides,
+                ],
+            )
+        )
 
 
 def main(extra: list[str]) -> None:
@@ -43,7 +54,9 @@ def main(extra: list[str]) -> None:
     per_point = time.perf_counter() - started
     started = time.perf_counter()
     for i, layers in enumerate(POINTS):  # the first point extracts the union, the others find it cached
-        run_pipeline(config(outputs, f"aux_layers={layers}", f"extract.extra_layers={UNION}", *extra), outputs / "union" / str(i))
+        run_pipeline(
+            config(outputs, f"aux_layers={layers}", f"extract.extra_layers={UNION}", *extra), outputs / "union" / str(i)
+        )
     union = time.perf_counter() - started
     print(f"per-point extraction: {per_point:.1f} s for {len(POINTS)} points")
     print(f"union extraction:     {union:.1f} s (one extraction of {UNION})")

@@ -20,8 +20,13 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTRA = ["specforge==0.2.0"]  # the benchmark's comparison, imported with the image's torch and transformers
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux1_x86_64"]
+PLATFORMS = [
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+]
 
 
 def norm(name: str) -> str:
@@ -45,15 +50,31 @@ def runtime_closure() -> dict[str, str]:
 
 
 def main() -> None:
-    image = {norm(line.strip()) for line in (ROOT / "scripts" / "device_image_packages.txt").read_text().splitlines()
-             if line.strip() and not line.startswith("#")}
+    image = {
+        norm(line.strip())
+        for line in (ROOT / "scripts" / "device_image_packages.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     wanted = [f"{n}=={v}" for n, v in sorted(runtime_closure().items()) if n not in image] + EXTRA
     folder = ROOT / ".whl"
     folder.mkdir(exist_ok=True)  # git-ignored (.gitignore): the wheels travel with the device tool, never in git
     pip = [sys.executable, "-m", "pip"]
     for spec in wanted:
-        binary = [*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--implementation",
-                  "cp", *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(folder), spec]
+        binary = [
+            *pip,
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            *[a for p in PLATFORMS for a in ("--platform", p)],
+            "-d",
+            str(folder),
+            spec,
+        ]
         if subprocess.run(binary, capture_output=True).returncode != 0:  # pure-Python sdists (antlr4): build here
             subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", str(folder), spec], check=True)
     size = sum(p.stat().st_size for p in folder.glob("*.whl"))

@@ -26,7 +26,9 @@ def sample() -> list[list[dict[str, str]]]:
     train, val = stdlib_conversations(seed=0, max_files=MAX_FILES)
     every = train + val
     if len(every) < COUNT:
-        raise SystemExit(f"{len(every)} conversations from {MAX_FILES} stdlib files: fewer than {COUNT}; raise MAX_FILES")
+        raise SystemExit(
+            f"{len(every)} conversations from {MAX_FILES} stdlib files: fewer than {COUNT}; raise MAX_FILES"
+        )
     return every[:: len(every) // COUNT][:COUNT]
 
 
@@ -42,7 +44,10 @@ def main() -> None:
     write_lines(DATA_DIR / "sample_chat.jsonl", [{"messages": c} for c in conversations])
     write_lines(
         DATA_DIR / "sample_chat_sharegpt.jsonl",
-        [{"conversations": [{"from": SHAREGPT_SPEAKER[m["role"]], "value": m["content"]} for m in c]} for c in conversations],
+        [
+            {"conversations": [{"from": SHAREGPT_SPEAKER[m["role"]], "value": m["content"]} for m in c]}
+            for c in conversations
+        ],
     )
 
 

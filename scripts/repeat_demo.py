@@ -65,12 +65,22 @@ def main() -> None:
     for name, (stage, key) in FIGURES.items():
         values = [s["stages"][stage][key] for s in summaries if key in s["stages"].get(stage, {})]
         if values:
-            table[name] = {"min": min(values), "median": statistics.median(values), "max": max(values), "values": values}
-    write_json(cfg.outputs / "repeat_demo.json", {"runs": args.runs, "overrides": overrides, "figures": table, "mismatch_flags": flags})
+            table[name] = {
+                "min": min(values),
+                "median": statistics.median(values),
+                "max": max(values),
+                "values": values,
+            }
+    write_json(
+        cfg.outputs / "repeat_demo.json",
+        {"runs": args.runs, "overrides": overrides, "figures": table, "mismatch_flags": flags},
+    )
     report = load_build_report(target_dir(cfg))
     print(f"\n{args.runs} runs of +experiment=tiny_eagle3 {' '.join(overrides)}")
-    print(f"target {cfg.target.name}: held-out loss {report['heldout_loss']:.2f} (uniform {report['uniform_loss']:.2f}), "
-          f"built in {report['total_seconds']:.0f} s with {report['environment']}")
+    print(
+        f"target {cfg.target.name}: held-out loss {report['heldout_loss']:.2f} (uniform {report['uniform_loss']:.2f}), "
+        f"built in {report['total_seconds']:.0f} s with {report['environment']}"
+    )
     print(f"{'figure':32s} {'min':>9s} {'median':>9s} {'max':>9s}")
     for name, row in table.items():
         print(f"{name:32s} {row['min']:9.3f} {row['median']:9.3f} {row['max']:9.3f}")

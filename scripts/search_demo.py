@@ -34,20 +34,30 @@ def main(extra: list[str]) -> None:
     states = {s: sum(t["state"] == s for t in trials) for s in ("complete", "pruned", "fail")}
     distinct = len({tuple(t["aux_layers"]) for t in trials if t["aux_layers"] and t["duplicate_of"] is None})
     print(f"command: {' '.join(command[1:])}")
-    print(f"wall time: {seconds / 60:.1f} min for {len(trials)} trials ({distinct} distinct points run; "
-          f"{states['complete']} complete, {states['pruned']} pruned, {states['fail']} failed), extraction included")
+    print(
+        f"wall time: {seconds / 60:.1f} min for {len(trials)} trials ({distinct} distinct points run; "
+        f"{states['complete']} complete, {states['pruned']} pruned, {states['fail']} failed), extraction included"
+    )
     base, best = summary["baseline"], summary["best"]
-    print(f"{summary['objective']}: baseline {base['aux_layers']} = {base['value']:.3f}; "
-          f"best {best['aux_layers']} = {best['value']:.3f} (trial {best['number']})")
-    sampled = [t for t in trials if t["state"] == "complete" and not t["baseline"] and t["aux_layers"] != base["aux_layers"]]
+    print(
+        f"{summary['objective']}: baseline {base['aux_layers']} = {base['value']:.3f}; "
+        f"best {best['aux_layers']} = {best['value']:.3f} (trial {best['number']})"
+    )
+    sampled = [
+        t for t in trials if t["state"] == "complete" and not t["baseline"] and t["aux_layers"] != base["aux_layers"]
+    ]
     if sampled:
         top = max(sampled, key=lambda t: t["value"])
-        print(f"best point the sampler proposed: {top['aux_layers']} = {top['value']:.3f} (trial {top['number']}): "
-              f"{'at least as good as' if top['value'] >= base['value'] else 'below'} the baseline")
+        print(
+            f"best point the sampler proposed: {top['aux_layers']} = {top['value']:.3f} (trial {top['number']}): "
+            f"{'at least as good as' if top['value'] >= base['value'] else 'below'} the baseline"
+        )
     pruned = [t for t in trials if t["state"] == "pruned"]
     for t in pruned:
         print(f"pruned: trial {t['number']} {t['aux_layers']} at training step {t['pruned_at_step']}")
-    print(f"study: {summary['storage']}; MLflow parent run {summary['mlflow_parent_run_id']} ({summary['tracking_uri']})")
+    print(
+        f"study: {summary['storage']}; MLflow parent run {summary['mlflow_parent_run_id']} ({summary['tracking_uri']})"
+    )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,12 @@ SERVED = "[1,4,6]"
 
 def config(*overrides: str):
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return load(compose("config", overrides=["+experiment=tiny_eagle3", f"aux_layers={TRAINED}", "run_name=seed_replay", *overrides]))
+        return load(
+            compose(
+                "config",
+                overrides=["+experiment=tiny_eagle3", f"aux_layers={TRAINED}", "run_name=seed_replay", *overrides],
+            )
+        )
 
 
 def row(summary: dict) -> dict:
@@ -51,7 +56,9 @@ def row(summary: dict) -> dict:
 def main(extra: list[str]) -> None:
     base = Path(tempfile.mkdtemp(prefix="seed_replay_"))
     results = {"matched": row(run_pipeline(config(*extra), base / "matched"))}
-    results["mismatch_guard_off"] = row(run_pipeline(config(f"serve.layers={SERVED}", "serve.guard=false", *extra), base / "mismatch"))
+    results["mismatch_guard_off"] = row(
+        run_pipeline(config(f"serve.layers={SERVED}", "serve.guard=false", *extra), base / "mismatch")
+    )
     try:
         run_pipeline(config(f"serve.layers={SERVED}", *extra), base / "guarded")
         results["guard_on"] = "NOT REFUSED"
@@ -61,7 +68,16 @@ def main(extra: list[str]) -> None:
     write_json(cfg.outputs / "seed_replay.json", results)
     print(f"\ntrained on aux_layers={TRAINED}; mismatch serves {SERVED}")
     print(f"{'':28}{'matched':>12}{'mismatch':>12}")
-    for key in ("train_val_acc_0", "eval_acc_0_trained_states", "eval_acc_0", "eval_expected_accept_length", "served_accept_length", "baseline_tok_s", "spec_tok_s", "speedup"):
+    for key in (
+        "train_val_acc_0",
+        "eval_acc_0_trained_states",
+        "eval_acc_0",
+        "eval_expected_accept_length",
+        "served_accept_length",
+        "baseline_tok_s",
+        "spec_tok_s",
+        "speedup",
+    ):
         a, b = results["matched"][key], results["mismatch_guard_off"][key]
         print(f"{key:28}{a:12.3f}{b:12.3f}")
     print("\nguard on:", results["guard_on"])

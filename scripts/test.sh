@@ -23,5 +23,9 @@ else
   echo "not root with apt-get: the Slurm tests (and, without chromium, the MLflow UI test) will be skipped" >&2
 fi
 
+# Lint and format first (settings in pyproject.toml): a second or two, before minutes of tests
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+
 export MLFLOW_DISABLE_TELEMETRY=true
 .venv/bin/python -m pytest "$@"

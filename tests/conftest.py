@@ -36,7 +36,10 @@ FAST = [
 
 def compose_config(outputs: Path, *overrides: str, experiment: str = "tiny_eagle3", fast: bool = True) -> RootConfig:
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        raw = compose("config", overrides=[f"+experiment={experiment}", f"outputs_dir={outputs}", *(FAST if fast else []), *overrides])
+        raw = compose(
+            "config",
+            overrides=[f"+experiment={experiment}", f"outputs_dir={outputs}", *(FAST if fast else []), *overrides],
+        )
     return load(raw)
 
 

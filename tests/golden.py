@@ -27,8 +27,10 @@ def assert_matches_golden(name: str, text: str, golden_dir: Path = GOLDEN_DIR) -
     expected = path.read_text()
     if text != expected:
         diff = "".join(difflib.unified_diff(expected.splitlines(True), text.splitlines(True), str(path), "actual"))
-        pytest.fail(f"output differs from golden file {path}; if the change is intended, `{rewrite}` "
-                    f"rewrites it:\n{diff}", pytrace=False)
+        pytest.fail(
+            f"output differs from golden file {path}; if the change is intended, `{rewrite}` rewrites it:\n{diff}",
+            pytrace=False,
+        )
 
 
 def _calling_test() -> str:

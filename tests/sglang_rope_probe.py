@@ -52,9 +52,15 @@ def install_stand_ins() -> None:
         raise NotImplementedError("stand-in: the rope probe uses forward_native")
 
     custom_ops.rotary_embedding, vllm._custom_ops = rotary_embedding, custom_ops
-    sys.modules.update({"torchvision": tv, "torchvision.transforms": transforms,
-                        "torchvision.transforms.functional": functional,
-                        "vllm": vllm, "vllm._custom_ops": custom_ops})
+    sys.modules.update(
+        {
+            "torchvision": tv,
+            "torchvision.transforms": transforms,
+            "torchvision.transforms.functional": functional,
+            "vllm": vllm,
+            "vllm._custom_ops": custom_ops,
+        }
+    )
 
 
 def main() -> None:
@@ -66,7 +72,6 @@ def main() -> None:
     install_stand_ins()
     import torch
     from safetensors.torch import load_file, save_file
-
     from sglang.srt.models import llama_eagle3
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.utils.hf_transformers_utils import get_config
@@ -83,18 +88,20 @@ def main() -> None:
         q, k = rotary.forward_native(positions, inputs[f"q.{name}"].clone(), inputs[f"k.{name}"].clone())
         out[f"q.{name}"], out[f"k.{name}"] = q.contiguous(), k.contiguous()
         out[f"cache.{name}"] = rotary.cos_sin_cache.index_select(0, positions).float().contiguous()
-        meta[name] = json.dumps({
-            "class": type(rotary).__name__,
-            "base": float(rotary.base),
-            "head_size": rotary.head_size,
-            "rotary_dim": rotary.rotary_dim,
-            "max_position_embeddings": rotary.max_position_embeddings,
-            "cache_rows": rotary.cos_sin_cache.shape[0],
-            "cache_dtype": str(rotary.cos_sin_cache.dtype),
-            "scaling_factor": getattr(rotary, "scaling_factor", None),
-            "mscale": getattr(rotary, "mscale", None),
-            "rope_parameters": getattr(config, "rope_parameters", None),
-        })
+        meta[name] = json.dumps(
+            {
+                "class": type(rotary).__name__,
+                "base": float(rotary.base),
+                "head_size": rotary.head_size,
+                "rotary_dim": rotary.rotary_dim,
+                "max_position_embeddings": rotary.max_position_embeddings,
+                "cache_rows": rotary.cos_sin_cache.shape[0],
+                "cache_dtype": str(rotary.cos_sin_cache.dtype),
+                "scaling_factor": getattr(rotary, "scaling_factor", None),
+                "mscale": getattr(rotary, "mscale", None),
+                "rope_parameters": getattr(config, "rope_parameters", None),
+            }
+        )
     save_file(out, request["output"], metadata=meta)
 
 

@@ -28,9 +28,28 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def test_cpu_smoke_run(tmp_path):
     out = tmp_path / "bench.json"
     run = subprocess.run(
-        [sys.executable, "-c", BLOCKED_RUN, str(SCRIPT), "--device", "cpu", "--shape", "tiny", "--seqs", "64",
-         "--steps", "2", "--warmup", "1", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-c",
+            BLOCKED_RUN,
+            str(SCRIPT),
+            "--device",
+            "cpu",
+            "--shape",
+            "tiny",
+            "--seqs",
+            "64",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(out.read_text())
@@ -54,11 +73,30 @@ def test_kimi_shape_is_the_configured_one():
     draft = OmegaConf.load(ROOT / "conf" / "draft" / "kimi_k25.yaml")
     target = OmegaConf.load(ROOT / "conf" / "target" / "kimi_k25.yaml")
     s = bench.shape_of("kimi", 2048)
-    assert (s.hidden_size, s.num_attention_heads, s.num_key_value_heads, s.head_dim, s.intermediate_size,
-            s.draft_vocab_size, s.num_aux_layers, s.rms_norm_eps) == (
-        draft.hidden_size, draft.num_attention_heads, draft.num_key_value_heads, draft.head_dim,
-        draft.intermediate_size, draft.draft_vocab_size, draft.num_aux_layers, draft.rms_norm_eps)
-    assert (s.target_hidden_size, s.vocab_size, s.rope_theta) == (target.hidden_size, target.vocab_size, target.rope_theta)
+    assert (
+        s.hidden_size,
+        s.num_attention_heads,
+        s.num_key_value_heads,
+        s.head_dim,
+        s.intermediate_size,
+        s.draft_vocab_size,
+        s.num_aux_layers,
+        s.rms_norm_eps,
+    ) == (
+        draft.hidden_size,
+        draft.num_attention_heads,
+        draft.num_key_value_heads,
+        draft.head_dim,
+        draft.intermediate_size,
+        draft.draft_vocab_size,
+        draft.num_aux_layers,
+        draft.rms_norm_eps,
+    )
+    assert (s.target_hidden_size, s.vocab_size, s.rope_theta) == (
+        target.hidden_size,
+        target.vocab_size,
+        target.rope_theta,
+    )
     # DOMAIN.md §8: about 0.048 TFLOP per token at seq 2048
     assert abs(bench.flops_per_token(s, 2048) / 1e12 - 0.048) < 0.001
 
@@ -69,16 +107,43 @@ def test_kimi_peak_memory_estimate_without_a_gpu(tmp_path):
     about linearly (no [L, L] tensor per TTT step), and seq 8192 stays under the issue's 80 GiB."""
     out = tmp_path / "estimate.json"
     run = subprocess.run(
-        [sys.executable, "-c", BLOCKED_RUN, str(SCRIPT), "--device", "cpu", "--estimate-memory", "--steps", "0",
-         "--seqs", "2048", "8192", "--specforge-backends", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            BLOCKED_RUN,
+            str(SCRIPT),
+            "--device",
+            "cpu",
+            "--estimate-memory",
+            "--steps",
+            "0",
+            "--seqs",
+            "2048",
+            "8192",
+            "--specforge-backends",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(out.read_text())
     rows = {r["seq"]: r for r in result["results"]}
     assert set(rows) == {2048, 8192} and {r["status"] for r in rows.values()} == {"estimated"}
-    trainable = sum(n * m for n, m in [(7168, 3 * 7168), (64 * 128, 2 * 7168), (2 * 64 * 128, 2 * 7168), (7168, 64 * 128),
-                                       (3 * 18432, 7168), (32000, 7168)])  # fc, q, k+v, o, MLP, draft head
+    trainable = sum(
+        n * m
+        for n, m in [
+            (7168, 3 * 7168),
+            (64 * 128, 2 * 7168),
+            (2 * 64 * 128, 2 * 7168),
+            (7168, 64 * 128),
+            (3 * 18432, 7168),
+            (32000, 7168),
+        ]
+    )  # fc, q, k+v, o, MLP, draft head
     frozen = (163840 * 7168) * 2  # the draft's embedding and the teacher's lm_head, float32
     held = (trainable * 3 + frozen) * 4 / 2**30  # weights, AdamW's two moments, frozen tensors
     for r in rows.values():
@@ -94,9 +159,13 @@ def test_the_fake_tensor_estimate_is_what_real_tensors_allocate():
     """The estimate's fake tensors change nothing in what the step allocates: at a small shape, the same step on
     real CPU tensors has the very same peak, kind by kind. (In a process of its own: fake tensors that torch's
     caches keep alive would otherwise show up in other tests' counts of live tensors.)"""
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import bench_train_gpu as b; "
-            "print(json.dumps([b.estimate_memory('tiny', 128, 0, fake=f) for f in (True, False)]))")
-    run = subprocess.run([sys.executable, "-c", code, str(SCRIPT.parent)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import bench_train_gpu as b; "
+        "print(json.dumps([b.estimate_memory('tiny', 128, 0, fake=f) for f in (True, False)]))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(SCRIPT.parent)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stderr
     fake, real = json.loads(run.stdout.strip().splitlines()[-1])
     assert fake["peak_estimated_gib"] > 0 and fake["by_kind_gib"]["act"] > 0

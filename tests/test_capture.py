@@ -11,18 +11,41 @@ N_LAYERS = 5
 
 def llama():
     torch.manual_seed(0)
-    conf = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=N_LAYERS,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    conf = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return LlamaForCausalLM(conf).eval()
 
 
 def deepseek():
     torch.manual_seed(0)
-    conf = DeepseekV3Config(vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_hidden_layers=N_LAYERS, num_attention_heads=4, num_key_value_heads=4,
-                            first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                            n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
-                            qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64)
+    conf = DeepseekV3Config(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        max_position_embeddings=64,
+    )
     return DeepseekV3ForCausalLM(conf).eval()
 
 

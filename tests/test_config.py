@@ -44,7 +44,9 @@ def test_every_experiment_composes_and_validates(experiment, tmp_path):
     for stage in ("extract", "train", "eval", "serve"):
         assert getattr(cfg, stage).layers == cfg.aux_layers  # one node, interpolated everywhere
     plan = make_plan(cfg, tmp_path / "run")
-    assert [s["stage"] for s in plan.stages] == (["extract", "train", "eval"] if space else ["extract", "train", "eval", "serve"])
+    assert [s["stage"] for s in plan.stages] == (
+        ["extract", "train", "eval"] if space else ["extract", "train", "eval", "serve"]
+    )
 
 
 def test_stage_configs_do_not_repeat_the_layer_list():
@@ -66,7 +68,10 @@ def test_stage_configs_do_not_repeat_the_layer_list():
         ("aux_layers=[1,4,7]", "last decoder layer"),
         ("train.lr=fast", "train.lr"),
         ("+train.learning_rate=1", "learning_rate"),
-        ("serve.num_draft_tokens=8", "serve.num_draft_tokens=8: with serve.eagle_topk=1 SGLang silently replaces it by serve.num_steps+1=4"),
+        (
+            "serve.num_draft_tokens=8",
+            "serve.num_draft_tokens=8: with serve.eagle_topk=1 SGLang silently replaces it by serve.num_steps+1=4",
+        ),
         ("serve.num_steps=0", "serve.num_steps=0: expected >= 1"),
         ("serve.eagle_topk=0", "serve.eagle_topk=0: expected >= 1"),
         ("serve.eagle_topk=4", "serve.eagle_topk=4: the reference engine drafts a chain"),
@@ -89,14 +94,18 @@ def test_tree_drafting_needs_two_draft_tokens():
         compose_root(["+experiment=kimi_eagle3", "serve.eagle_topk=4", "serve.num_draft_tokens=1"])
 
 
-@pytest.mark.parametrize("key", ["serve.guard", "extract.resources", "cluster.setup", "target.tiny", "data.regenerate.batch_size"])
+@pytest.mark.parametrize(
+    "key", ["serve.guard", "extract.resources", "cluster.setup", "target.tiny", "data.regenerate.batch_size"]
+)
 def test_a_key_missing_from_the_yaml_fails_naming_it(key):
     # The schema holds no defaults: a key no YAML file sets is an error, not a silent value.
     with pytest.raises(ConfigError, match=re.escape(f"config key '{key}' has no value")):
         compose_root(["+experiment=tiny_eagle3", f"~{key}"])
 
 
-@pytest.mark.parametrize("option", [*(f"cluster={p.stem}" for p in sorted((conf_dir() / "cluster").glob("*.yaml"))), "serve=sglang"])
+@pytest.mark.parametrize(
+    "option", [*(f"cluster={p.stem}" for p in sorted((conf_dir() / "cluster").glob("*.yaml"))), "serve=sglang"]
+)
 def test_group_options_no_experiment_selects_set_every_key(option):
     assert isinstance(compose_root(["+experiment=tiny_eagle3", option]), RootConfig)
 
@@ -114,7 +123,9 @@ def test_kimi_plan_ids_capture_the_seed_layers(tmp_path):
 
 def _cli(args: list[str], outputs: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(outputs)}
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_cli_dry_run_kimi_needs_no_model(tmp_path):
@@ -147,5 +158,8 @@ def test_dry_run_prints_the_extraction_storage_and_an_over_budget_plan_is_refuse
 
     refused = _cli(["+experiment=kimi_eagle3", "dry_run=true", "extract.max_bytes=1e10"], tmp_path / "refused")
     assert refused.returncode != 0
-    assert "[storage] extraction writes at most 258.4 GB" in refused.stderr and "extract.max_bytes=10.0 GB" in refused.stderr
+    assert (
+        "[storage] extraction writes at most 258.4 GB" in refused.stderr
+        and "extract.max_bytes=10.0 GB" in refused.stderr
+    )
     assert not list((tmp_path / "refused").rglob("plan.json")), "refused before anything is written"

@@ -24,8 +24,14 @@ def test_regenerated_sequences_are_the_targets_greedy_responses(tiny_config):
         assert 1 <= len(response) <= 20
         assert tokenizer.eos_token_id not in response[:-1], "nothing after the end token"
         ids = torch.tensor([prompt])
-        alone = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(response), do_sample=False,
-                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)[0, n:].tolist()
+        alone = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=len(response),
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.eos_token_id,
+        )[0, n:].tolist()
         assert response == alone, "batched (left-padded) regeneration must equal the unbatched greedy response"
 
     cfg_off = tiny_config("data.regenerate.enabled=false")

@@ -1,6 +1,6 @@
 """The README's demo, exactly as a user runs it (minutes on 2 cores: outside the default suite).
 
-    bash scripts/test.sh -m slow
+bash scripts/test.sh -m slow
 """
 
 from __future__ import annotations
@@ -16,7 +16,13 @@ import pytest
 @pytest.mark.slow
 def test_readme_demo_ends_without_a_mismatch(tmp_path):
     env = os.environ | {"EAGLE_ORCH_OUTPUTS": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", "+experiment=tiny_eagle3"], env=env, capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "+experiment=tiny_eagle3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(next(tmp_path.rglob("summary.json")).read_text())
     assert summary["mismatch_flags"] == []

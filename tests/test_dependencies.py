@@ -74,7 +74,9 @@ def undeclared_imports(folder: Path, allowed: set[str], local: set[str]) -> list
             where = f"{path.relative_to(ROOT)}:{line} imports {module}"
             installed = distributions.get(module)
             if not installed:
-                problems.append(f"{where}, which no installed distribution provides (and pyproject.toml does not declare)")
+                problems.append(
+                    f"{where}, which no installed distribution provides (and pyproject.toml does not declare)"
+                )
             elif not allowed & {canonical(d) for d in installed}:
                 problems.append(f"{where}, provided by {' or '.join(installed)}, which pyproject.toml does not declare")
     return problems
@@ -97,7 +99,9 @@ def test_test_imports_are_declared_dependencies():
 
 def test_every_module_imports():
     failures = []
-    packages = pkgutil.walk_packages(orchestrator.__path__, "orchestrator.", onerror=lambda name: failures.append(f"{name}: {sys.exc_info()[1]!r}"))
+    packages = pkgutil.walk_packages(
+        orchestrator.__path__, "orchestrator.", onerror=lambda name: failures.append(f"{name}: {sys.exc_info()[1]!r}")
+    )
     for module in sorted(info.name for info in packages if info.name != ENTRY_POINT):
         try:
             importlib.import_module(module)
@@ -110,8 +114,13 @@ def used_markers(path: Path) -> dict[str, int]:
     """The `pytest.mark.<name>` names in a file, each with the line of its first use."""
     names: dict[str, int] = {}
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "mark"
-                and isinstance(node.value.value, ast.Name) and node.value.value.id == "pytest"):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "mark"
+            and isinstance(node.value.value, ast.Name)
+            and node.value.value.id == "pytest"
+        ):
             names.setdefault(node.attr, node.lineno)
     return names
 
@@ -124,4 +133,6 @@ def test_every_marker_in_use_is_declared():
         for name, line in used_markers(path).items()
         if name not in declared_markers | BUILTIN_MARKERS
     ]
-    assert not problems, "declare these markers in [tool.pytest.ini_options] markers of pyproject.toml:\n" + "\n".join(problems)
+    assert not problems, "declare these markers in [tool.pytest.ini_options] markers of pyproject.toml:\n" + "\n".join(
+        problems
+    )

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FAST, compose_config
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
@@ -22,15 +23,18 @@ from orchestrator.pipeline import make_plan, run_pipeline
 from orchestrator.stages.train import rank_share
 from orchestrator.targets import ensure_target
 
-from conftest import FAST, compose_config
-
 # One CPU per rank, and the one-process run also on one: the same float reductions in both.
 ONE_CPU = ["extract.resources.cpus_per_task=1", "train.resources.cpus_per_task=1"]
 
 
 def _overrides(ranks: int) -> list[str]:
-    return ["cluster=local", "stages=[extract,train]", *ONE_CPU,
-            f"extract.resources.tasks_per_node={ranks}", f"train.resources.tasks_per_node={ranks}"]
+    return [
+        "cluster=local",
+        "stages=[extract,train]",
+        *ONE_CPU,
+        f"extract.resources.tasks_per_node={ranks}",
+        f"train.resources.tasks_per_node={ranks}",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +45,9 @@ def runs(outputs, tiny_config, tmp_path_factory):
     out = {}
     for ranks in (1, 2):
         root = tmp_path_factory.mktemp(f"ranks{ranks}")
-        shutil.copytree(outputs / "cache" / "targets", root / "cache" / "targets", ignore=shutil.ignore_patterns("*.lock"))
+        shutil.copytree(
+            outputs / "cache" / "targets", root / "cache" / "targets", ignore=shutil.ignore_patterns("*.lock")
+        )
         cfg = compose_config(root, *_overrides(ranks))
         out[ranks] = (cfg, run_pipeline(cfg, root / "runs" / "r"))
     return out
@@ -61,7 +67,12 @@ def test_extraction_holds_the_same_sequences_and_states_with_two_ranks(runs):
             assert torch.equal(one[name][key], two[name][key]), f"{name}: {key} differs between 1 and 2 ranks"
     assert summary1["stages"]["extract"]["compute"]["world_size"] == 1
     assert summary2["stages"]["extract"]["compute"] | {} == {
-        "device": "cpu", "devices": ["cpu"], "dtype": "float32", "world_size": 2, "backend": "gloo"}
+        "device": "cpu",
+        "devices": ["cpu"],
+        "dtype": "float32",
+        "world_size": 2,
+        "backend": "gloo",
+    }
     assert summary2["stages"]["extract"]["tokens"] == summary1["stages"]["extract"]["tokens"]
     # rank 1 extracted its shards in its own process (its own submitit task log)
     logs = list(Path(summary2["run_dir"], "jobs").glob("*_1_log.err"))
@@ -94,9 +105,21 @@ def test_two_rank_training_killed_mid_run_resumes_to_the_same_weights(runs, tmp_
     cfg2, summary2 = runs[2]
     root = tmp_path / "outputs"
     for part in ("targets", "extract"):  # the same target and extraction: only training runs
-        shutil.copytree(cfg2.outputs / "cache" / part, root / "cache" / part, ignore=shutil.ignore_patterns("*.lock", ".job.json"))
-    command = [sys.executable, "-m", "orchestrator", "+experiment=tiny_eagle3", f"outputs_dir={root}", *FAST, *_overrides(2)]
-    first = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        shutil.copytree(
+            cfg2.outputs / "cache" / part, root / "cache" / part, ignore=shutil.ignore_patterns("*.lock", ".job.json")
+        )
+    command = [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        "+experiment=tiny_eagle3",
+        f"outputs_dir={root}",
+        *FAST,
+        *_overrides(2),
+    ]
+    first = subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 600
         found = []
@@ -120,7 +143,9 @@ def test_two_rank_training_killed_mid_run_resumes_to_the_same_weights(runs, tmp_
     uninterrupted = load_file(str(Path(summary2["stages"]["train"]["draft_dir"]) / "model.safetensors"))
     assert resumed.keys() == uninterrupted.keys()
     for name in resumed:
-        torch.testing.assert_close(resumed[name], uninterrupted[name], rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            resumed[name], uninterrupted[name], rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}"
+        )
 
 
 def test_only_rank_zero_writes(runs):

@@ -14,13 +14,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gpu_check_runs_reduced_on_the_cpu(outputs, tmp_path):
     from conftest import compose_config
+
     from orchestrator.targets import ensure_target
 
     cached = tmp_path / "outputs"  # the session's tiny target, so the script does not build another
     ensure_target(compose_config(outputs), progress=False)
-    shutil.copytree(outputs / "cache" / "targets", cached / "cache" / "targets", ignore=shutil.ignore_patterns("*.lock"))
+    shutil.copytree(
+        outputs / "cache" / "targets", cached / "cache" / "targets", ignore=shutil.ignore_patterns("*.lock")
+    )
     env = {**os.environ, "GPU_CHECK_OUT": str(tmp_path / "check"), "GPU_CHECK_OUTPUTS": str(cached)}
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert line["mode"] == "cpu" and line["all_on_device"]

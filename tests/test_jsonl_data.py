@@ -41,7 +41,9 @@ def test_both_sample_formats_parse_into_the_same_conversations():
 
 def test_sharegpt_speakers_map_to_chat_roles(tmp_path):
     turns = [("system", "Be brief."), ("human", "a"), ("gpt", "b"), ("user", "c"), ("chatgpt", "d"), ("assistant", "e")]
-    path = write(tmp_path / "chat.jsonl", json.dumps({"id": 7, "conversations": [{"from": f, "value": v} for f, v in turns]}))
+    path = write(
+        tmp_path / "chat.jsonl", json.dumps({"id": 7, "conversations": [{"from": f, "value": v} for f, v in turns]})
+    )
     [conversation] = read_conversations(path, "auto", "k")
     assert [m["role"] for m in conversation] == ["system", "user", "assistant", "user", "assistant", "assistant"]
     assert [m["content"] for m in conversation] == [v for _, v in turns]
@@ -50,7 +52,9 @@ def test_sharegpt_speakers_map_to_chat_roles(tmp_path):
 def test_jsonl_config_composes_loads_and_splits_under_the_seed(jsonl_config):
     cfg = jsonl_config(f"data.train_files=['{OPENAI}']")
     assert cfg.data.name == "jsonl" and cfg.data.train_files == [str(OPENAI)] and cfg.data.val_files == []
-    assert cfg.data.max_train_conversations == 96 and cfg.data.regenerate.enabled, "the experiment's data block still applies"
+    assert cfg.data.max_train_conversations == 96 and cfg.data.regenerate.enabled, (
+        "the experiment's data block still applies"
+    )
     train, val = conversations(cfg.data, cfg.seed)
     assert (len(train), len(val)) == (36, 4)  # val_fraction 0.1 of 40
     assert conversations(cfg.data, cfg.seed) == (train, val)
@@ -69,8 +73,11 @@ def test_the_default_is_the_sample_from_the_repository_root(monkeypatch, jsonl_c
 
 def test_validation_files_and_the_split_counts(jsonl_config):
     cfg = jsonl_config(
-        f"data.train_files=['{OPENAI}']", f"data.val_files=['{SHAREGPT}']", "data.val_fraction=null",
-        "data.max_train_conversations=30", "data.max_val_conversations=5",
+        f"data.train_files=['{OPENAI}']",
+        f"data.val_files=['{SHAREGPT}']",
+        "data.val_fraction=null",
+        "data.max_train_conversations=30",
+        "data.max_val_conversations=5",
     )
     train, val = conversations(cfg.data, cfg.seed)
     every = read_conversations(OPENAI, "auto", "k")
@@ -90,13 +97,25 @@ def test_stdlib_chat_is_unchanged(tiny_config):
         ('["user", "hi"]', "a JSON list; expected an object"),
         ('{"text": "hi"}', "keys ['text']: expected exactly one of 'messages' (OpenAI) or 'conversations' (ShareGPT)"),
         ('{"messages": []}', "expected 'messages', a non-empty list of turns"),
-        ('{"messages": [{"role": "tool", "content": "x"}]}', "messages[0].role='tool': expected one of ['assistant', 'system', 'user']"),
+        (
+            '{"messages": [{"role": "tool", "content": "x"}]}',
+            "messages[0].role='tool': expected one of ['assistant', 'system', 'user']",
+        ),
         ('{"conversations": [{"from": "bot", "value": "x"}]}', "conversations[0].from='bot': expected one of"),
-        ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}', "messages[1].content is empty"),
-        ('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "  \\n"}]}', "conversations[1].value is empty"),
+        (
+            '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}',
+            "messages[1].content is empty",
+        ),
+        (
+            '{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "  \\n"}]}',
+            "conversations[1].value is empty",
+        ),
         ('{"messages": [{"role": "user", "content": ["part"]}]}', "messages[0].content is list; expected a string"),
         ('{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}', "no assistant turn"),
-        ('{"messages": [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "hi"}]}', "messages[0] answers before any user turn"),
+        (
+            '{"messages": [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "hi"}]}',
+            "messages[0] answers before any user turn",
+        ),
     ],
 )
 def test_a_malformed_line_names_the_file_and_the_line(tmp_path, line, fragment):
@@ -107,7 +126,9 @@ def test_a_malformed_line_names_the_file_and_the_line(tmp_path, line, fragment):
 
 def test_a_forced_format_refuses_the_other_one(tmp_path):
     path = write(tmp_path / "chat.jsonl", json.dumps(GOOD))
-    with pytest.raises(DataFileError, match=re.escape(f"{path}:1: ") + ".*expected 'conversations'.*data.format=sharegpt"):
+    with pytest.raises(
+        DataFileError, match=re.escape(f"{path}:1: ") + ".*expected 'conversations'.*data.format=sharegpt"
+    ):
         read_conversations(path, "sharegpt", "k")
 
 
@@ -127,11 +148,23 @@ def test_too_few_conversations_to_split(tmp_path, jsonl_config):
     "overrides, fragment",
     [
         (["data.train_files=['{missing}']"], "data.train_files[0]='{missing}': no such file"),
-        (["data.train_files=['{sample}']", "data.val_files=['{missing}']", "data.val_fraction=null"], "data.val_files[0]='{missing}': no such file"),
+        (
+            ["data.train_files=['{sample}']", "data.val_files=['{missing}']", "data.val_fraction=null"],
+            "data.val_files[0]='{missing}': no such file",
+        ),
         (["data.train_files=[]"], "data.train_files=[]: data=jsonl needs at least one file"),
-        (["data.train_files=['{sample}']", "data.val_files=['{sample}']"], "take validation from the files (add data.val_fraction=null)"),
-        (["data.train_files=['{sample}']", "data.val_fraction=1.0"], "data.val_fraction=1.0 with data.val_files=[]: expected a fraction in (0, 1)"),
-        (["data.train_files=['{sample}']", "data.format=alpaca"], "data.format='alpaca': expected one of ('auto', 'openai', 'sharegpt')"),
+        (
+            ["data.train_files=['{sample}']", "data.val_files=['{sample}']"],
+            "take validation from the files (add data.val_fraction=null)",
+        ),
+        (
+            ["data.train_files=['{sample}']", "data.val_fraction=1.0"],
+            "data.val_fraction=1.0 with data.val_files=[]: expected a fraction in (0, 1)",
+        ),
+        (
+            ["data.train_files=['{sample}']", "data.format=alpaca"],
+            "data.format='alpaca': expected one of ('auto', 'openai', 'sharegpt')",
+        ),
         (["data=stdlib_chat", "data.train_files=['{sample}']"], "data=stdlib_chat reads no files; add `data=jsonl`"),
     ],
 )

@@ -4,7 +4,6 @@ import pytest
 
 from orchestrator import layers as L
 
-
 # --- canonical validation -------------------------------------------------------------------------------
 
 
@@ -15,7 +14,13 @@ def test_canonical_accepts_embedding_and_last_layer():
 
 @pytest.mark.parametrize(
     "layers, fragment",
-    [([-2, 1, 2], "out of range"), ([1, 2, 61], "out of range"), ([2, 2, 3], "duplicate"), ([30, 2, -1], "ascending"), ([], "empty")],
+    [
+        ([-2, 1, 2], "out of range"),
+        ([1, 2, 61], "out of range"),
+        ([2, 2, 3], "duplicate"),
+        ([30, 2, -1], "ascending"),
+        ([], "empty"),
+    ],
 )
 def test_canonical_rejects(layers, fragment):
     with pytest.raises(L.LayerContractError, match=fragment):

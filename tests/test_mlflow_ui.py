@@ -22,13 +22,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import compose_config
 from mlflow.tracking import MlflowClient
 
 from orchestrator import tracking
 from orchestrator.artifacts import write_json, write_manifest
 from orchestrator.pipeline import finish, make_plan
 from orchestrator.serving.client import free_port
-from conftest import compose_config
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -41,7 +41,10 @@ POINTS = ([1, 4, 6], [0, 3, 6])  # the sweep's aux_layers
 def test_run_label_says_what_differs():
     run_id = "3f9a2c5be01d4c7a"
     assert tracking.run_label([1, 4, 6], 0, run_id) == "L1-4-6 · s0 · 3f9a2c"
-    assert tracking.run_label([-1, 2, 30], 7, run_id, ["extract", "train"]) == "Lemb-2-30 · s7 · 3f9a2c · cached extract+train"
+    assert (
+        tracking.run_label([-1, 2, 30], 7, run_id, ["extract", "train"])
+        == "Lemb-2-30 · s7 · 3f9a2c · cached extract+train"
+    )
 
 
 def test_params_are_the_few_that_decide_a_result(tmp_path):
@@ -54,35 +57,71 @@ def test_params_are_the_few_that_decide_a_result(tmp_path):
 def test_serve_metrics_log_each_quantity_once_with_its_spread():
     metrics = tracking.stage_metrics("serve", _serve_result(speedup=1.30))
     assert metrics["serve/speedup"] == pytest.approx(1.30)
-    assert metrics["serve/speedup_min"] == pytest.approx(390 / 330) and metrics["serve/speedup_max"] == pytest.approx(430 / 300)
+    assert metrics["serve/speedup_min"] == pytest.approx(390 / 330) and metrics["serve/speedup_max"] == pytest.approx(
+        430 / 300
+    )
     assert metrics["serve/baseline_tok_s_min"] == 300 and metrics["serve/spec_tok_s_max"] == 430
     assert metrics["serve/c4_speedup"] == pytest.approx(1.5), "other concurrencies keep their own names"
     assert not [k for k in metrics if k.startswith("serve/c1_") or "eval_expected" in k], metrics
 
 
 def test_eval_metrics_drop_duplicates_and_constants():
-    result = {"acc_0": 0.9, "full_acc_0": 0.9, "acc_1": 0.8, "full_acc_1": 0.7, "trained_states_acc_0": 0.91,
-              "acc_gap_0": 0.01, "acc_gap_se_0": 0.02, "positions_0": 400, "draft_steps": 3, "sequences": 8,
-              "expected_accept_length": 2.7, "mean_accepted_per_cycle": 1.66, "verify_passes": 40, "mismatch": False}
+    result = {
+        "acc_0": 0.9,
+        "full_acc_0": 0.9,
+        "acc_1": 0.8,
+        "full_acc_1": 0.7,
+        "trained_states_acc_0": 0.91,
+        "acc_gap_0": 0.01,
+        "acc_gap_se_0": 0.02,
+        "positions_0": 400,
+        "draft_steps": 3,
+        "sequences": 8,
+        "expected_accept_length": 2.7,
+        "mean_accepted_per_cycle": 1.66,
+        "verify_passes": 40,
+        "mismatch": False,
+    }
     assert tracking.stage_metrics("eval", result) == {
-        "eval/acc_0": 0.9, "eval/acc_1": 0.8, "eval/trained_states_acc_0": 0.91, "eval/acc_gap_0": 0.01,
-        "eval/acc_gap_se_0": 0.02, "eval/expected_accept_length": 2.7, "eval/sequences": 8.0,
-        "eval/verify_passes": 40.0, "eval/mismatch": 0.0,
+        "eval/acc_0": 0.9,
+        "eval/acc_1": 0.8,
+        "eval/trained_states_acc_0": 0.91,
+        "eval/acc_gap_0": 0.01,
+        "eval/acc_gap_se_0": 0.02,
+        "eval/expected_accept_length": 2.7,
+        "eval/sequences": 8.0,
+        "eval/verify_passes": 40.0,
+        "eval/mismatch": 0.0,
     }
 
 
 def test_training_names_teacher_forced_and_own_token_accuracies_apart():
-    step = tracking.train_step_metrics(13.1, 1e-3, 4200.0, {"acc_0": 0.8, "full_acc_0": 0.8, "expected_accept_length": 3.1})
-    assert step == {"train/loss": 13.1, "train/lr": 1e-3, "train/tokens_per_s": 4200.0, "train/teacher_forced_acc_0": 0.8}
-    val = tracking.train_val_metrics({"step": 8, "loss": 14.0, "acc_0": 0.7, "full_acc_0": 0.7, "expected_accept_length": 2.5})
+    step = tracking.train_step_metrics(
+        13.1, 1e-3, 4200.0, {"acc_0": 0.8, "full_acc_0": 0.8, "expected_accept_length": 3.1}
+    )
+    assert step == {
+        "train/loss": 13.1,
+        "train/lr": 1e-3,
+        "train/tokens_per_s": 4200.0,
+        "train/teacher_forced_acc_0": 0.8,
+    }
+    val = tracking.train_val_metrics(
+        {"step": 8, "loss": 14.0, "acc_0": 0.7, "full_acc_0": 0.7, "expected_accept_length": 2.5}
+    )
     assert val == {"train/val_loss": 14.0, "train/val_acc_0": 0.7, "train/val_expected_accept_length": 2.5}
 
 
 def test_note_is_a_headline_with_the_mismatch_in_full():
     flag = "eval: the draft fed what serving captures scores acc_0=0.483, 0.420 below the 0.903 it scores on the states it was trained on"
-    summary = {"aux_layers": [-1, 1, 4], "mismatch_flags": [flag], "stages": {
-        "train": {"val_acc_0": 0.9, "cached": True}, "eval": {"acc_0": 0.483, "acc_1": 0.2, "expected_accept_length": 1.37},
-        "serve": _serve_result(speedup=0.72) | {"accept_length": 1.37}}}
+    summary = {
+        "aux_layers": [-1, 1, 4],
+        "mismatch_flags": [flag],
+        "stages": {
+            "train": {"val_acc_0": 0.9, "cached": True},
+            "eval": {"acc_0": 0.483, "acc_1": 0.2, "expected_accept_length": 1.37},
+            "serve": _serve_result(speedup=0.72) | {"accept_length": 1.37},
+        },
+    }
     note = tracking.run_note(summary)
     assert "| layers (aux_layers) | -1, 1, 4 |" in note
     assert "0.483 / 0.200" in note and "1.37" in note
@@ -92,22 +131,49 @@ def test_note_is_a_headline_with_the_mismatch_in_full():
 
 def test_run_url_opens_the_runs_table():
     assert tracking.run_url("sqlite:////x/mlflow.db", "3") == (
-        "http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning&viewStateShareKey=compare-layers")
-    assert tracking.run_url("http://mlflow:5000/", "3", "ab") == "http://mlflow:5000/#/experiments/3/runs/ab?workflowType=machine_learning"
+        "http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning&viewStateShareKey=compare-layers"
+    )
+    assert (
+        tracking.run_url("http://mlflow:5000/", "3", "ab")
+        == "http://mlflow:5000/#/experiments/3/runs/ab?workflowType=machine_learning"
+    )
 
 
 # ---- a 2-point sweep's store, built with the pipeline's tracking calls ------------------------------------------
 
 
 def _serve_result(speedup: float, accept_length: float = 3.2) -> dict:
-    head = {"concurrency": 1, "baseline_tok_s": 320.0, "spec_tok_s": 320.0 * speedup, "speedup": speedup,
-            "baseline_tok_s_passes": [300.0, 320.0, 330.0], "spec_tok_s_passes": [400.0, 390.0, 430.0],
-            "accept_length": accept_length, "baseline_latency_mean_s": 0.3, "spec_latency_mean_s": 0.2}
-    other = {"concurrency": 4, "baseline_tok_s": 600.0, "spec_tok_s": 900.0, "speedup": 1.5, "accept_length": accept_length}
-    return {"baseline_tok_s": head["baseline_tok_s"], "spec_tok_s": head["spec_tok_s"], "speedup": speedup,
-            "accept_length": accept_length, "eval_expected_accept_length": accept_length, "accept_length_rel_diff": 0.0,
-            "accept_rate_by_position": [0.9, 0.8, 0.7], "greedy_outputs_identical": True, "per_concurrency": [head, other],
-            "mismatch": False, "mismatch_flags": []}
+    head = {
+        "concurrency": 1,
+        "baseline_tok_s": 320.0,
+        "spec_tok_s": 320.0 * speedup,
+        "speedup": speedup,
+        "baseline_tok_s_passes": [300.0, 320.0, 330.0],
+        "spec_tok_s_passes": [400.0, 390.0, 430.0],
+        "accept_length": accept_length,
+        "baseline_latency_mean_s": 0.3,
+        "spec_latency_mean_s": 0.2,
+    }
+    other = {
+        "concurrency": 4,
+        "baseline_tok_s": 600.0,
+        "spec_tok_s": 900.0,
+        "speedup": 1.5,
+        "accept_length": accept_length,
+    }
+    return {
+        "baseline_tok_s": head["baseline_tok_s"],
+        "spec_tok_s": head["spec_tok_s"],
+        "speedup": speedup,
+        "accept_length": accept_length,
+        "eval_expected_accept_length": accept_length,
+        "accept_length_rel_diff": 0.0,
+        "accept_rate_by_position": [0.9, 0.8, 0.7],
+        "greedy_outputs_identical": True,
+        "per_concurrency": [head, other],
+        "mismatch": False,
+        "mismatch_flags": [],
+    }
 
 
 def _accuracies(acc0: float) -> dict:
@@ -124,8 +190,15 @@ def _run_point(outputs: Path, layers: list[int], acc0: float, speedup: float, re
 
     cfg = compose_config(outputs, f"aux_layers=[{','.join(map(str, layers))}]", "run_name=tiny_eagle3")
     run_dir = outputs / "runs" / layers_name(layers)
-    extract = {"tokens": 96_000, "tokens_extracted_now": 96_000, "tokens_per_s": 17_500.0, "regenerate_s": 44.0,
-               "bytes_per_token": 1029.0, "loss_tokens_per_sequence": 78.0, "output": "x"}
+    extract = {
+        "tokens": 96_000,
+        "tokens_extracted_now": 96_000,
+        "tokens_per_s": 17_500.0,
+        "regenerate_s": 44.0,
+        "bytes_per_token": 1029.0,
+        "loss_tokens_per_sequence": 78.0,
+        "output": "x",
+    }
     val = _accuracies(acc0) | {"loss": 13.2}
     history = [{"step": 8, **_accuracies(acc0 - 0.1), "loss": 14.1}, {"step": 16, **val}]
 
@@ -142,16 +215,28 @@ def _run_point(outputs: Path, layers: list[int], acc0: float, speedup: float, re
     plan = make_plan(cfg, run_dir)
     assert [e["cached"] for e in plan.stages] == [reuse_from is not None] * 2 + [False] * 2
     tracker = tracking.start_pipeline_run(
-        plan.tracking_uri, cfg.tracking.experiment, cfg.run_name, tracking.resolved_container(cfg), layers,
-        run_dir, cached=[e["stage"] for e in plan.stages if e["cached"]],
+        plan.tracking_uri,
+        cfg.tracking.experiment,
+        cfg.run_name,
+        tracking.resolved_container(cfg),
+        layers,
+        run_dir,
+        cached=[e["stage"] for e in plan.stages if e["cached"]],
     )
     if reuse_from is None:  # the stages run and log as they go
         write_cached_stages(plan)
         tracker.stage_result("extract", extract)
         for entry in history:
             tracker.train_validation(entry["step"], entry)
-    ev = _accuracies(acc0 - 0.005) | {"trained_states_acc_0": acc0, "acc_gap_0": 0.005, "acc_gap_se_0": 0.01,
-                                      "sequences": 8, "verify_passes": 40, "mismatch": False, "mismatch_flags": []}
+    ev = _accuracies(acc0 - 0.005) | {
+        "trained_states_acc_0": acc0,
+        "acc_gap_0": 0.005,
+        "acc_gap_se_0": 0.01,
+        "sequences": 8,
+        "verify_passes": 40,
+        "mismatch": False,
+        "mismatch_flags": [],
+    }
     serve = _serve_result(speedup, accept_length=ev["expected_accept_length"])
     for stage, result in (("eval", ev), ("serve", serve)):
         tracker.stage_result(stage, result)
@@ -197,18 +282,33 @@ class Browser:
 
     def __init__(self, profile: Path):
         self.port = free_port()
-        self.driver = subprocess.Popen([CHROMEDRIVER, f"--port={self.port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.driver = subprocess.Popen(
+            [CHROMEDRIVER, f"--port={self.port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         _wait_until(lambda: self._call("GET", "/status")["value"]["ready"], 30, "chromedriver to start")
-        args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                f"--user-data-dir={profile}", "--window-size=1800,1000"]
+        args = [
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={profile}",
+            "--window-size=1800,1000",
+        ]
         caps = {"browserName": "chrome", "goog:chromeOptions": {"binary": CHROMIUM, "args": args}}
         self.session = self._call("POST", "/session", {"capabilities": {"alwaysMatch": caps}})["value"]["sessionId"]
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            data=data,
+            method=method,
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=120) as response:
             return json.loads(response.read())
 
@@ -249,7 +349,9 @@ def _wait_until(predicate, timeout: float, what: str, describe=lambda: "") -> No
         except (urllib.error.URLError, ConnectionError, KeyError):
             pass
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last seen:\n{str(describe())[:3000]}")
+            raise AssertionError(
+                f"timed out after {timeout:.0f} s waiting for {what}; last seen:\n{str(describe())[:3000]}"
+            )
         time.sleep(0.5)
 
 
@@ -262,11 +364,20 @@ def mlflow_ui(sweep_store, tmp_path):
     log = (tmp_path / "mlflow_ui.log").open("w")
     # one worker and no job runner (nothing here runs server-side jobs): light on a 2-core CI machine
     env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    server = subprocess.Popen([str(mlflow), "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port),
-                               "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = subprocess.Popen(
+        [str(mlflow), "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     try:
-        _wait_until(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200, 120,
-                    "mlflow ui to start", lambda: (tmp_path / "mlflow_ui.log").read_text())
+        _wait_until(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200,
+            120,
+            "mlflow ui to start",
+            lambda: (tmp_path / "mlflow_ui.log").read_text(),
+        )
         yield f"http://127.0.0.1:{port}"
     finally:
         os.killpg(server.pid, signal.SIGTERM)  # the server and the workers it started
@@ -277,7 +388,9 @@ def mlflow_ui(sweep_store, tmp_path):
 @pytest.fixture
 def browser(tmp_path):
     if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
-        pytest.skip(f"no {CHROMIUM} and {CHROMEDRIVER}: as root, `apt-get install chromium chromium-driver` (scripts/test.sh does)")
+        pytest.skip(
+            f"no {CHROMIUM} and {CHROMEDRIVER}: as root, `apt-get install chromium chromium-driver` (scripts/test.sh does)"
+        )
     session = Browser(tmp_path / "chromium-profile")
     yield session
     session.close()
@@ -322,7 +435,7 @@ def test_runs_table_and_compare_view_tell_the_layer_choices_apart(sweep_store, m
     assert f"aux_layers\t{fresh.data.params['aux_layers']}\t{cached.data.params['aux_layers']}" in compare
     lines = compare.split("Metrics\nShow diff only\n")[1].split("\nArtifacts")[0].splitlines()
     names = [line for line in lines if "/" in line]
-    values = lines[len(names):]
+    values = lines[len(names) :]
     shown = {name: values[2 * i : 2 * i + 2] for i, name in enumerate(names)}
     for key in ("eval/acc_0", "train/val_acc_0", "serve/accept_length", "serve/speedup"):
         assert shown[key] == [repr(fresh.data.metrics[key]), repr(cached.data.metrics[key])], (key, shown)

@@ -62,5 +62,13 @@ def test_full_pipeline(tiny_config, tmp_path):
     assert abs(serve["accept_length"] - ev["expected_accept_length"]) / ev["expected_accept_length"] <= 0.10
     assert summary["mismatch_flags"] == []
     metrics = MlflowClient(summary["tracking_uri"]).get_run(summary["mlflow_run_id"]).data.metrics
-    for key in ("train/val_acc_0", "eval/acc_0", "eval/expected_accept_length", "serve/baseline_tok_s", "serve/spec_tok_s", "serve/speedup", "serve/accept_length"):
+    for key in (
+        "train/val_acc_0",
+        "eval/acc_0",
+        "eval/expected_accept_length",
+        "serve/baseline_tok_s",
+        "serve/spec_tok_s",
+        "serve/speedup",
+        "serve/accept_length",
+    ):
         assert key in metrics, key

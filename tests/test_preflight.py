@@ -15,9 +15,24 @@ from orchestrator.draft import export as E
 from orchestrator.draft.model import DraftShape, Eagle3Draft
 from orchestrator.pipeline import make_plan, run_pipeline
 
-SHAPE = DraftShape(hidden_size=32, target_hidden_size=32, num_aux_layers=3, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=8, intermediate_size=48, vocab_size=50, draft_vocab_size=20)
-TARGET_CONFIG = {"hidden_size": 32, "vocab_size": 50, "max_position_embeddings": 64, "rope_theta": 10000.0, "num_hidden_layers": 8}
+SHAPE = DraftShape(
+    hidden_size=32,
+    target_hidden_size=32,
+    num_aux_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    vocab_size=50,
+    draft_vocab_size=20,
+)
+TARGET_CONFIG = {
+    "hidden_size": 32,
+    "vocab_size": 50,
+    "max_position_embeddings": 64,
+    "rope_theta": 10000.0,
+    "num_hidden_layers": 8,
+}
 
 
 def failing(findings, category):
@@ -43,12 +58,16 @@ def test_hidden_size_mismatch(tiny_config):
 
 
 def test_wrong_speculative_algorithm_in_extra_args(tiny_config):
-    [finding] = failing(preflight.config_findings(tiny_config("serve.extra_args=[--speculative-algorithm,EAGLE]")), "speculative args")
+    [finding] = failing(
+        preflight.config_findings(tiny_config("serve.extra_args=[--speculative-algorithm,EAGLE]")), "speculative args"
+    )
     assert "always EAGLE3" in finding.fix
 
 
 def test_draft_steps_beyond_trained_depth(tiny_config):
-    [finding] = failing(preflight.config_findings(tiny_config("serve.num_steps=5", "serve.num_draft_tokens=6")), "draft steps")
+    [finding] = failing(
+        preflight.config_findings(tiny_config("serve.num_steps=5", "serve.num_draft_tokens=6")), "draft steps"
+    )
     assert "raise train.ttt_steps" in finding.fix
 
 
@@ -73,16 +92,25 @@ def setup(tiny_config, tmp_path):
     tok = tokenizer_hash(target)
     extract = tmp_path / "extract"
     extract.mkdir()
-    (extract / "manifest.json").write_text(json.dumps({
-        "stage": "extract", "aux_layers": [1, 4, 6], "teacher": {"kind": "post_norm"}, "hidden_size": cfg.target.hidden_size,
-        "tokenizer_hash": tok,
-    }))
+    (extract / "manifest.json").write_text(
+        json.dumps(
+            {
+                "stage": "extract",
+                "aux_layers": [1, 4, 6],
+                "teacher": {"kind": "post_norm"},
+                "hidden_size": cfg.target.hidden_size,
+                "tokenizer_hash": tok,
+            }
+        )
+    )
     torch.manual_seed(0)
     draft = Eagle3Draft(SHAPE)
     draft.set_vocab_map(*E.build_vocab_map(torch.arange(50), 20))
     draft_dir = tmp_path / "draft"
     conf = E.draft_config(SHAPE, [1, 4, 6], "bfloat16", TARGET_CONFIG, 64)
-    E.export(draft, draft_dir, conf, {"aux_layers": [1, 4, 6], "trained_ttt_steps": 4, "tokenizer_hash": tok}, TARGET_CONFIG)
+    E.export(
+        draft, draft_dir, conf, {"aux_layers": [1, 4, 6], "trained_ttt_steps": 4, "tokenizer_hash": tok}, TARGET_CONFIG
+    )
     return cfg, plan, target, extract, draft_dir
 
 
@@ -104,7 +132,10 @@ def test_valid_artifacts_pass(setup):
 
 def test_off_by_one_ids_in_draft_config(setup):
     cfg, _, target, _, draft = setup
-    edit_json(draft / "config.json", eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 5, 7], "use_aux_hidden_state": True})
+    edit_json(
+        draft / "config.json",
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 5, 7], "use_aux_hidden_state": True},
+    )
     [finding] = failing(preflight.draft_findings(cfg, draft, target), "layer ids")
     assert "captures only 2 states" in finding.message and "[1, 4, 6]" in finding.message
     assert "set it to [1, 4, 6]" in finding.fix
@@ -116,7 +147,10 @@ def test_kimi_embedding_written_as_is(tiny_config, setup):
     _, _, target, _, draft = setup
     cfg = tiny_config("aux_layers=[-1,2,4]", experiment="tiny_deepseek_eagle3")
     edit_json(draft / "orchestrator.json", aux_layers=[-1, 2, 4])
-    edit_json(draft / "config.json", eagle_config={"eagle_aux_hidden_state_layer_ids": [-1, 2, 4], "use_aux_hidden_state": True})
+    edit_json(
+        draft / "config.json",
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [-1, 2, 4], "use_aux_hidden_state": True},
+    )
     [finding] = failing(preflight.draft_findings(cfg, draft, target), "layer ids")
     assert "captures only 2 states" in finding.message and "set it to [0, 3, 5]" in finding.fix
 
@@ -132,7 +166,10 @@ def test_tokenizer_changed_since_extraction_and_training(setup):
     cfg, _, target, extract, draft = setup
     (target / "tokenizer.json").write_text('{"model": "bpe-v2"}')
     assert "re-extract" in failing(preflight.extraction_findings(cfg, extract, target), "tokenizer")[0].fix
-    assert "serve the target the draft was trained for" in failing(preflight.draft_findings(cfg, draft, target), "tokenizer")[0].fix
+    assert (
+        "serve the target the draft was trained for"
+        in failing(preflight.draft_findings(cfg, draft, target), "tokenizer")[0].fix
+    )
 
 
 def test_d2t_holding_target_ids_instead_of_offsets(setup):
@@ -156,13 +193,16 @@ def test_missing_d2t(setup):
     assert failing(preflight.draft_findings(cfg, draft, target), "draft vocabulary")
 
 
-@pytest.mark.parametrize("field, value, fragment", [
-    ("architectures", ["LlamaForCausalLM"], "architectures"),
-    ("draft_vocab_size", None, "draft_vocab_size"),
-    ("torch_dtype", None, "torch_dtype"),
-    ("max_position_embeddings", 32, "max_position_embeddings"),
-    ("rope_theta", 500000.0, "rope_theta"),
-])
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("architectures", ["LlamaForCausalLM"], "architectures"),
+        ("draft_vocab_size", None, "draft_vocab_size"),
+        ("torch_dtype", None, "torch_dtype"),
+        ("max_position_embeddings", 32, "max_position_embeddings"),
+        ("rope_theta", 500000.0, "rope_theta"),
+    ],
+)
 def test_draft_config_fields(setup, field, value, fragment):
     cfg, _, target, _, draft = setup
     edit_json(draft / "config.json", **{field: value})
@@ -185,7 +225,10 @@ def test_serving_more_steps_than_trained(tiny_config, setup):
 
 def test_check_entry_reports_on_a_draft_directory(tiny_config, setup, tmp_path):
     _, _, _, _, draft = setup
-    edit_json(draft / "config.json", eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 3, 6], "use_aux_hidden_state": True})
+    edit_json(
+        draft / "config.json",
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 3, 6], "use_aux_hidden_state": True},
+    )
     cfg = tiny_config("check=true", f"check_draft={draft}")
     result = run_pipeline(cfg, tmp_path / "check")
     assert result["check"] is True and result["ok"] is False
@@ -209,7 +252,11 @@ def test_dry_run_refuses_a_target_that_cannot_fit_a_tasks_gpus(tiny_config, tmp_
     assert f"target weights {need / 1e9:,.1f} GB in bfloat16" in message
     assert "extract.resources.tasks_per_node=1" in message  # the fix: both GPUs for one task
     assert not (tmp_path / "tight" / "plan.json").exists()
-    spread = tiny_config("dry_run=true", "extract.resources.gpus_per_node=2", "extract.resources.tasks_per_node=1",
-                         f"cluster.gpu_memory_gb={gpu_gb}")
+    spread = tiny_config(
+        "dry_run=true",
+        "extract.resources.gpus_per_node=2",
+        "extract.resources.tasks_per_node=1",
+        f"cluster.gpu_memory_gb={gpu_gb}",
+    )
     assert run_pipeline(spread, tmp_path / "spread")["dry_run"]
     assert "[memory] extract: target weights" in capsys.readouterr().out

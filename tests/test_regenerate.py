@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import compose_config
 from safetensors.torch import load_file
+from test_config import compose_root
 
 from orchestrator.config import ConfigError
 from orchestrator.data import conversations, prompt_ids
@@ -17,9 +19,6 @@ from orchestrator.serving import client
 from orchestrator.serving import sglang as sglang_engine
 from orchestrator.serving.launch import server_command
 from orchestrator.targets import ensure_target, load_target
-
-from conftest import compose_config
-from test_config import compose_root
 
 # Short responses keep a pass to seconds; at 42 tokens some responses are cut by max_seq_len, others by max_new_tokens.
 SHORT = ("data.regenerate.max_new_tokens=24", "data.max_seq_len=42")
@@ -47,7 +46,10 @@ def test_the_comparison_covers_both_budgets(tiny):
     cfg, _, tokenizer, convs, hf = tiny
     prompts = [prompt_ids(tokenizer, c, cfg.data.max_seq_len - 1) for c in convs]
     assert len({len(p) for p in prompts}) > 1
-    assert all(s.input_ids[: len(p)] == p and s.loss_mask == [0] * len(p) + [1] * (len(s.input_ids) - len(p)) for s, p in zip(hf, prompts))
+    assert all(
+        s.input_ids[: len(p)] == p and s.loss_mask == [0] * len(p) + [1] * (len(s.input_ids) - len(p))
+        for s, p in zip(hf, prompts)
+    )
     lengths = [len(s.input_ids) for s in hf]
     responses = [len(s.input_ids) - len(p) for s, p in zip(hf, prompts)]
     assert cfg.data.max_seq_len in lengths, "no response cut by data.max_seq_len"
@@ -96,7 +98,9 @@ def test_given_url(tiny, tmp_path, api):
     port = client.free_port()
     command = server_command(cfg, ensure_target(cfg, progress=False), None, port)
     with client.ServerProcess(command, port, tmp_path / "server.log", startup_timeout=120) as server:
-        given = compose_server(cfg, f"data.regenerate.url={server.url}", f"data.regenerate.api={api}", "data.regenerate.concurrency=4")
+        given = compose_server(
+            cfg, f"data.regenerate.url={server.url}", f"data.regenerate.api={api}", "data.regenerate.concurrency=4"
+        )
         with Endpoint(given, tmp_path / "unused") as endpoint:
             served = regenerate(convs, given, tokenizer, cfg.seed, endpoint=endpoint)
             assert endpoint.server is None, "a given url starts no server"
@@ -113,7 +117,9 @@ def test_unreachable_url_names_the_key(tiny):
     with pytest.raises(RegenerateError) as err:
         regenerate(convs[:1], given, tokenizer, cfg.seed)
     message = str(err.value)
-    assert f"data.regenerate.url='{url}'" in message and "does not answer" in message and "ConnectionError" in message, message
+    assert (
+        f"data.regenerate.url='{url}'" in message and "does not answer" in message and "ConnectionError" in message
+    ), message
     assert "data.regenerate.url=null" in message, "the fix is named"
 
 
@@ -141,11 +147,17 @@ def test_completions_api_against_a_server_without_it_names_the_key(tiny, tmp_pat
 @pytest.mark.parametrize(
     "overrides, fragment",
     [
-        (["data.regenerate.url=localhost:30000"], "data.regenerate.url='localhost:30000': expected the server's base URL"),
+        (
+            ["data.regenerate.url=localhost:30000"],
+            "data.regenerate.url='localhost:30000': expected the server's base URL",
+        ),
         (["data.regenerate.url=http://127.0.0.1:30000/generate"], "without a path"),
         (["data.regenerate.url=http://127.0.0.1:99999"], "data.regenerate.url='http://127.0.0.1:99999'"),
         (["data.regenerate.url=ftp://host:1"], "data.regenerate.url='ftp://host:1'"),
-        (["data.regenerate.engine=hf", "data.regenerate.url=http://127.0.0.1:30000"], "is an endpoint for data.regenerate.engine=server"),
+        (
+            ["data.regenerate.engine=hf", "data.regenerate.url=http://127.0.0.1:30000"],
+            "is an endpoint for data.regenerate.engine=server",
+        ),
         (["data.regenerate.engine=vllm"], "data.regenerate.engine='vllm': expected one of ('hf', 'server')"),
         (["data.regenerate.api=chat"], "data.regenerate.api='chat'"),
         (["data.regenerate.concurrency=0"], "data.regenerate.concurrency=0"),
@@ -172,7 +184,13 @@ def test_kimi_regenerates_through_the_sglang_command_without_a_draft(tmp_path):
     assert command == sglang_engine.launch_command(cfg, str(model), None, 30000)
     assert command[1:3] == ["-m", "sglang.launch_server"]
     assert not [a for a in command if a.startswith("--speculative")], command
-    for flag in (["--model-path", str(model)], ["--tp-size", "8"], ["--trust-remote-code"], ["--dtype", "bfloat16"], ["--port", "30000"]):
+    for flag in (
+        ["--model-path", str(model)],
+        ["--tp-size", "8"],
+        ["--trust-remote-code"],
+        ["--dtype", "bfloat16"],
+        ["--port", "30000"],
+    ):
         assert any(command[i : i + len(flag)] == flag for i in range(len(command))), (flag, command)
 
 

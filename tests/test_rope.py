@@ -26,28 +26,57 @@ from orchestrator.draft.model import DraftShape, Eagle3Draft, Rope
 
 HEAD_DIM = 64
 # Kimi-K2.5's text model (DeepSeek-V3): YaRN, factor 64 over 4096 positions
-KIMI = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0, "original_max_position_embeddings": 4096,
-        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+KIMI = {
+    "rope_type": "yarn",
+    "rope_theta": 50000.0,
+    "factor": 64.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 500000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
     "yarn": KIMI,
     "yarn_mscale_ratio": KIMI | {"mscale_all_dim": 0.707},
-    "yarn_plain": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "original_max_position_embeddings": 2048},
+    "yarn_plain": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 16.0,
+        "original_max_position_embeddings": 2048,
+    },
 }
 
 
 def hf_rotary(params: dict):
     """Hugging Face's (inv_freq, attention factor) and rotary module for these rope parameters."""
     if params["rope_type"] == "yarn":
-        config = DeepseekV3Config(hidden_size=256, num_attention_heads=4, qk_rope_head_dim=HEAD_DIM,
-                                  max_position_embeddings=262144, rope_parameters=dict(params))
+        config = DeepseekV3Config(
+            hidden_size=256,
+            num_attention_heads=4,
+            qk_rope_head_dim=HEAD_DIM,
+            max_position_embeddings=262144,
+            rope_parameters=dict(params),
+        )
         module = DeepseekV3RotaryEmbedding(config)
     else:
-        config = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=HEAD_DIM,
-                             max_position_embeddings=131072, rope_parameters=dict(params))
+        config = LlamaConfig(
+            hidden_size=256,
+            num_attention_heads=4,
+            head_dim=HEAD_DIM,
+            max_position_embeddings=131072,
+            rope_parameters=dict(params),
+        )
         module = LlamaRotaryEmbedding(config)
     if params["rope_type"] == "default":
         inv_freq, factor = LlamaRotaryEmbedding.compute_default_rope_parameters(config, device="cpu")
@@ -84,8 +113,14 @@ def test_plain_rope_is_unchanged():
 def test_kimi_yarn_scales_cos_sin_by_the_mscale_ratio():
     spec = rope.read({"rope_parameters": KIMI | {"mscale_all_dim": 0.707}})
     _, scale = rope.rotary(spec, HEAD_DIM)
-    assert scale == pytest.approx((0.1 * 1.0 * torch.log(torch.tensor(64.0)).item() + 1) / (0.1 * 0.707 * torch.log(torch.tensor(64.0)).item() + 1))
-    _, plain = rope.rotary(rope.read({"rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096}}), HEAD_DIM)
+    assert scale == pytest.approx(
+        (0.1 * 1.0 * torch.log(torch.tensor(64.0)).item() + 1)
+        / (0.1 * 0.707 * torch.log(torch.tensor(64.0)).item() + 1)
+    )
+    _, plain = rope.rotary(
+        rope.read({"rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096}}),
+        HEAD_DIM,
+    )
     assert plain == pytest.approx(0.1 * torch.log(torch.tensor(64.0)).item() + 1)
 
 
@@ -105,9 +140,14 @@ def test_yarn_mscale_zero_follows_sglang_not_transformers():
 def test_both_spellings_read_the_same(kind):
     params = ROPES[kind]
     scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    legacy = {"rope_theta": params["rope_theta"]} | ({"rope_scaling": scaling} if params["rope_type"] != "default" else {})
+    legacy = {"rope_theta": params["rope_theta"]} | (
+        {"rope_scaling": scaling} if params["rope_type"] != "default" else {}
+    )
     assert rope.read({"rope_parameters": params}) == rope.read(legacy)
-    old_key = {"rope_theta": params["rope_theta"], "rope_scaling": {"type": params["rope_type"]} | {k: v for k, v in scaling.items() if k != "rope_type"}}
+    old_key = {
+        "rope_theta": params["rope_theta"],
+        "rope_scaling": {"type": params["rope_type"]} | {k: v for k, v in scaling.items() if k != "rope_type"},
+    }
     assert rope.read(old_key) == rope.read(legacy)
 
 
@@ -115,13 +155,37 @@ def test_absent_rope_is_theta_10000():
     assert rope.read({}) == rope.RopeSpec(10000.0, "default", {})
 
 
-@pytest.mark.parametrize("config, fragment", [
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic'"),
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_parameters.rope_type='longrope'"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "original_max_position_embeddings"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "attention_factor": 1.2}}, "attention_factor"),
-    ({"rope_parameters": {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}}, "per-layer-type"),
-])
+@pytest.mark.parametrize(
+    "config, fragment",
+    [
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic'"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_parameters.rope_type='longrope'"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+            "original_max_position_embeddings",
+        ),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 4096,
+                    "attention_factor": 1.2,
+                }
+            },
+            "attention_factor",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default"},
+                    "sliding_attention": {"rope_type": "default"},
+                }
+            },
+            "per-layer-type",
+        ),
+    ],
+)
 def test_unsupported_rope_is_refused_naming_the_key(config, fragment):
     with pytest.raises(rope.RopeError, match="config.json") as err:
         rope.read(config, "config.json")
@@ -144,17 +208,32 @@ def sglang_reads(conf: dict) -> tuple[float, dict | None]:
     return conf.get("rope_theta", 10000), conf.get("rope_scaling")
 
 
-SHAPE = DraftShape(hidden_size=32, target_hidden_size=32, num_aux_layers=3, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=8, intermediate_size=48, vocab_size=50, draft_vocab_size=20)
+SHAPE = DraftShape(
+    hidden_size=32,
+    target_hidden_size=32,
+    num_aux_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    vocab_size=50,
+    draft_vocab_size=20,
+)
 # what transformers 5 writes for a Llama-3 style target: no top-level rope_theta
-LLAMA3_TARGET = {"hidden_size": 32, "vocab_size": 50, "max_position_embeddings": 64,
-                 "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}
+LLAMA3_TARGET = {
+    "hidden_size": 32,
+    "vocab_size": 50,
+    "max_position_embeddings": 64,
+    "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+}
 
 
 def export_for(tmp_path, target: dict, provenance: dict | None = None):
     spec = rope.read(target)
     keys = rope.config_keys(spec)
-    shape = DraftShape(**(SHAPE.as_dict() | {"rope_theta": keys["rope_theta"], "rope_scaling": keys.get("rope_scaling")}))
+    shape = DraftShape(
+        **(SHAPE.as_dict() | {"rope_theta": keys["rope_theta"], "rope_scaling": keys.get("rope_scaling")})
+    )
     torch.manual_seed(0)
     draft = Eagle3Draft(shape)
     draft.set_vocab_map(*E.build_vocab_map(torch.arange(50), 20))
@@ -183,8 +262,13 @@ def test_draft_for_a_rope_parameters_only_target_is_served_with_its_theta(tmp_pa
 
 
 def test_kimi_draft_carries_the_target_yarn(tmp_path):
-    target = {"hidden_size": 32, "vocab_size": 50, "max_position_embeddings": 64, "rope_theta": 50000.0,
-              "rope_scaling": {k: v for k, v in KIMI.items() if k not in ("rope_type", "rope_theta")} | {"type": "yarn"}}
+    target = {
+        "hidden_size": 32,
+        "vocab_size": 50,
+        "max_position_embeddings": 64,
+        "rope_theta": 50000.0,
+        "rope_scaling": {k: v for k, v in KIMI.items() if k not in ("rope_type", "rope_theta")} | {"type": "yarn"},
+    }
     folder, draft = export_for(tmp_path, target)
     conf = json.loads((folder / "config.json").read_text())
     theta, scaling = sglang_reads(conf)
@@ -195,7 +279,10 @@ def test_kimi_draft_carries_the_target_yarn(tmp_path):
 
 def test_validator_refuses_a_rope_other_than_the_trained_one(tmp_path):
     folder, _ = export_for(tmp_path, LLAMA3_TARGET)
-    edit_config(folder, lambda c: c["rope_parameters"].update(rope_theta=10000.0, rope_type="default") or c.update(rope_theta=10000.0))
+    edit_config(
+        folder,
+        lambda c: c["rope_parameters"].update(rope_theta=10000.0, rope_type="default") or c.update(rope_theta=10000.0),
+    )
     problems = E.validate_draft_dir(folder, LLAMA3_TARGET)
     assert any("rope" in p and "500000" in p and "trained" in p for p in problems), problems
 
@@ -220,15 +307,39 @@ def test_validator_refuses_disagreeing_spellings(tmp_path):
 PROBE = Path(__file__).with_name("sglang_rope_probe.py")
 # below, at and beyond YaRN's original 4096 (and llama3's 8192), up to Kimi's 262144; each case takes those below
 # its max_position_embeddings (SGLang's cos/sin cache ends there)
-SGLANG_POSITIONS = [0, 1, 7, 100, 1000, 2047, 2048, 4095, 4096, 4097, 5000, 8191, 8192, 20000, 32767, 65536, 131071, 262143]
+SGLANG_POSITIONS = [
+    0,
+    1,
+    7,
+    100,
+    1000,
+    2047,
+    2048,
+    4095,
+    4096,
+    4097,
+    5000,
+    8191,
+    8192,
+    20000,
+    32767,
+    65536,
+    131071,
+    262143,
+]
 KIMI_HEAD_DIM = 128  # Kimi's draft (DOMAIN.md §4)
 
 
 def kimi_target(name: str = "kimi_k25") -> dict:
     """The target config.json fields the draft export reads, with the rope values of conf/target/NAME.yaml."""
     t = OmegaConf.load(conf_dir() / "target" / f"{name}.yaml")
-    return {"hidden_size": 32, "vocab_size": 50, "max_position_embeddings": t.max_position_embeddings,
-            "rope_theta": t.rope_theta, "rope_scaling": OmegaConf.to_container(t.rope_scaling)}
+    return {
+        "hidden_size": 32,
+        "vocab_size": 50,
+        "max_position_embeddings": t.max_position_embeddings,
+        "rope_theta": t.rope_theta,
+        "rope_scaling": OmegaConf.to_container(t.rope_scaling),
+    }
 
 
 # YaRN keys that only SGLang reads (transformers has no extrapolation_factor, and its attention_factor replaces the
@@ -246,8 +357,15 @@ def sglang_cases() -> dict[str, tuple[dict, int]]:
     for kind, params in (ROPES | SGLANG_ONLY).items():
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
         # YaRN's context is factor x original, as in Kimi's config (transformers warns otherwise)
-        context = int(params["factor"] * params["original_max_position_embeddings"]) if kind.startswith("yarn") else 131072
-        target = {"hidden_size": 32, "vocab_size": 50, "max_position_embeddings": context, "rope_theta": params["rope_theta"]}
+        context = (
+            int(params["factor"] * params["original_max_position_embeddings"]) if kind.startswith("yarn") else 131072
+        )
+        target = {
+            "hidden_size": 32,
+            "vocab_size": 50,
+            "max_position_embeddings": context,
+            "rope_theta": params["rope_theta"],
+        }
         cases[kind] = (target | ({"rope_scaling": scaling} if kind != "default" else {}), HEAD_DIM)
     return cases
 
@@ -280,24 +398,39 @@ def sglang_rope(sglang_python, tmp_path_factory):
         width = confs[name]["head_dim"]
         positions = [p for p in SGLANG_POSITIONS if p < confs[name]["max_position_embeddings"]]
         inputs[f"positions.{name}"] = torch.tensor(positions, dtype=torch.int64)
-        inputs[f"q.{name}"] = torch.randn(len(positions), confs[name]["num_attention_heads"] * width, generator=generator)
-        inputs[f"k.{name}"] = torch.randn(len(positions), confs[name]["num_key_value_heads"] * width, generator=generator)
+        inputs[f"q.{name}"] = torch.randn(
+            len(positions), confs[name]["num_attention_heads"] * width, generator=generator
+        )
+        inputs[f"k.{name}"] = torch.randn(
+            len(positions), confs[name]["num_key_value_heads"] * width, generator=generator
+        )
     save_file(inputs, str(root / "in.safetensors"))
-    request = {"cases": {n: str(f) for n, f in folders.items()}, "inputs": str(root / "in.safetensors"),
-               "output": str(root / "out.safetensors")}
+    request = {
+        "cases": {n: str(f) for n, f in folders.items()},
+        "inputs": str(root / "in.safetensors"),
+        "output": str(root / "out.safetensors"),
+    }
     (root / "request.json").write_text(json.dumps(request))
-    done = subprocess.run([sglang_python, str(PROBE), str(root / "request.json")], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sglang_python, str(PROBE), str(root / "request.json")], capture_output=True, text=True, timeout=600
+    )
     if done.returncode != 0:
-        pytest.fail(f"{PROBE.name} failed under {sglang_python} (an environment built before the rope check lacks "
-                    f"packages: rebuild it with scripts/make_sglang_env.sh):\n{done.stderr[-3000:]}")
+        pytest.fail(
+            f"{PROBE.name} failed under {sglang_python} (an environment built before the rope check lacks "
+            f"packages: rebuild it with scripts/make_sglang_env.sh):\n{done.stderr[-3000:]}"
+        )
     with safe_open(str(root / "out.safetensors"), "pt") as f:
         meta = {n: json.loads(v) for n, v in f.metadata().items()}
     outputs = load_file(str(root / "out.safetensors"))
     return {n: (confs[n], inputs, outputs, meta[n]) for n in folders}
 
 
-SGLANG_CLASSES = {"default": "RotaryEmbedding", "linear": "LinearScalingRotaryEmbedding",
-                  "llama3": "Llama3RotaryEmbedding", "yarn": "YaRNScalingRotaryEmbedding"}
+SGLANG_CLASSES = {
+    "default": "RotaryEmbedding",
+    "linear": "LinearScalingRotaryEmbedding",
+    "llama3": "Llama3RotaryEmbedding",
+    "yarn": "YaRNScalingRotaryEmbedding",
+}
 
 
 @pytest.mark.sglang
@@ -319,7 +452,9 @@ def test_draft_rope_equals_sglangs(name, sglang_rope):
         assert module.scale == pytest.approx(meta["mscale"], abs=1e-7)
 
     positions = inputs[f"positions.{name}"]
-    assert positions.max() >= 2 * (spec.param("original_max_position_embeddings") or 4096)  # well beyond the original context
+    assert positions.max() >= 2 * (
+        spec.param("original_max_position_embeddings") or 4096
+    )  # well beyond the original context
     half = conf["head_dim"] // 2
     cos, sin = module.cos_sin(positions)
     cache = outputs[f"cache.{name}"]  # sglang's [cos * mscale | sin * mscale] rows

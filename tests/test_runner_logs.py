@@ -96,4 +96,3 @@ def test_a_failing_job_raises_stage_failed_with_the_log_tail(local_executor, cap
     assert f"stage extract (job {job.job_id}) failed" in message
     assert_in_order(message, ["--- job log tail ---", "loading shard 7", "ValueError: shard 7 is truncated"])
     assert "shard 7 is truncated" in capsys.readouterr().err  # streamed as it happened, too
-

@@ -8,11 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from golden import assert_matches_golden
 
 from orchestrator.config import tasks_per_node
 from orchestrator.runner import render_sbatch
-
-from golden import assert_matches_golden
 
 STAGES = ("extract", "train", "eval", "serve")
 
@@ -21,7 +20,14 @@ STAGES = ("extract", "train", "eval", "serve")
 def test_kimi_sbatch(tiny_config, index, stage):
     cfg = tiny_config("cluster=example_site", experiment="kimi_eagle3", fast=False)
     dependency = [str(1000 + index)] if index else None  # job id of the previous stage
-    text = render_sbatch(cfg.cluster, Path("/shared/runs/kimi_eagle3/jobs"), f"kimi_eagle3-{stage}", getattr(cfg, stage).resources, tasks_per_node(cfg, stage), dependency)
+    text = render_sbatch(
+        cfg.cluster,
+        Path("/shared/runs/kimi_eagle3/jobs"),
+        f"kimi_eagle3-{stage}",
+        getattr(cfg, stage).resources,
+        tasks_per_node(cfg, stage),
+        dependency,
+    )
     assert_matches_golden(f"sbatch_kimi_{stage}.sh", text)
     assert f"--job-name=kimi_eagle3-{stage}" in text and "--gpus-per-node=8" in text
     assert ("--dependency=afterok:" in text) == (index > 0)
@@ -32,7 +38,9 @@ def test_kimi_sbatch(tiny_config, index, stage):
 
 def test_a_missing_golden_file_fails_and_is_not_created(tmp_path, monkeypatch):
     monkeypatch.delenv("EAGLE_UPDATE_GOLDEN", raising=False)
-    with pytest.raises(pytest.fail.Exception, match="EAGLE_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_sbatch_golden.py"):
+    with pytest.raises(
+        pytest.fail.Exception, match="EAGLE_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_sbatch_golden.py"
+    ):
         assert_matches_golden("sbatch_new_stage.sh", "#!/bin/bash\n", golden_dir=tmp_path)
     assert not (tmp_path / "sbatch_new_stage.sh").exists()
 

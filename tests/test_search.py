@@ -16,16 +16,14 @@ from pathlib import Path
 
 import optuna
 import pytest
+from conftest import FAST
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
-from orchestrator import conf_dir
+from orchestrator import conf_dir, search
 from orchestrator import layers as layer_contract
-from orchestrator import search
 from orchestrator.config import load
 from orchestrator.pruning import PRUNED_RECORD
-
-from conftest import FAST
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +34,10 @@ TRIAL = ["stages=[extract,train,eval]", "cluster=local"]
 def compose_search(outputs: Path, *overrides: str, experiment: str = "tiny_eagle3", space: str = "tiny_llama"):
     fast = FAST if experiment.startswith("tiny") else []  # the Kimi experiment has no tiny target to shrink
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return compose("config", overrides=[f"+experiment={experiment}", f"+search={space}", f"outputs_dir={outputs}", *fast, *overrides])
+        return compose(
+            "config",
+            overrides=[f"+experiment={experiment}", f"+search={space}", f"outputs_dir={outputs}", *fast, *overrides],
+        )
 
 
 def space_of(outputs: Path, *overrides: str, **kw) -> tuple[search.SearchConfig, dict, search.Space]:
@@ -53,11 +54,26 @@ def capturable(cfg, point) -> bool:
         return False
 
 
-@pytest.mark.parametrize("experiment,space,overrides", [
-    ("tiny_eagle3", "tiny_llama", ["search.slots=[[-1,3],[0,5],[2,7]]"]),  # SGLang's Llama rule never captures layer 7
-    ("tiny_eagle3", "tiny_llama", ["search.slots=[[-1,3],[0,5],[2,7]]", "search.candidates=[-1,1,3,4,6,7]"]),  # gaps
-    ("kimi_eagle3", "kimi_k25", []),  # Kimi's first-id rule: output of layer 0 cannot come first; 60 is never captured
-])
+@pytest.mark.parametrize(
+    "experiment,space,overrides",
+    [
+        (
+            "tiny_eagle3",
+            "tiny_llama",
+            ["search.slots=[[-1,3],[0,5],[2,7]]"],
+        ),  # SGLang's Llama rule never captures layer 7
+        (
+            "tiny_eagle3",
+            "tiny_llama",
+            ["search.slots=[[-1,3],[0,5],[2,7]]", "search.candidates=[-1,1,3,4,6,7]"],
+        ),  # gaps
+        (
+            "kimi_eagle3",
+            "kimi_k25",
+            [],
+        ),  # Kimi's first-id rule: output of layer 0 cannot come first; 60 is never captured
+    ],
+)
 def test_sampled_points_are_valid(tmp_path, experiment, space, overrides):
     """Every point a real sampler proposes is ascending, distinct, inside the slots and capturable by serving:
     the space holds no other point, and `suggest` only ever reaches points of the space."""
@@ -66,8 +82,9 @@ def test_sampled_points_are_valid(tmp_path, experiment, space, overrides):
     everything = list(search._ascending([list(range(lo, hi + 1)) for lo, hi in cfg.slots]))
     invalid = [p for p in everything if not capturable(base, p)]
     assert invalid, "the slots reach points serving cannot capture"
-    assert set(sp.points) == {p for p in everything if capturable(base, p)
-                              and (cfg.candidates is None or set(p) <= set(cfg.candidates))}
+    assert set(sp.points) == {
+        p for p in everything if capturable(base, p) and (cfg.candidates is None or set(p) <= set(cfg.candidates))
+    }
     for sampler in (optuna.samplers.RandomSampler(seed=1), optuna.samplers.TPESampler(seed=1, n_startup_trials=5)):
         study = optuna.create_study(direction="maximize", sampler=sampler)
         for _ in range(60):
@@ -80,16 +97,19 @@ def test_sampled_points_are_valid(tmp_path, experiment, space, overrides):
         assert 0 not in sp.slots[0] and base.target.num_hidden_layers - 1 not in sp.union
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (["search.slots=[[1,3],[4,6]]"], "search.slots has 2 ranges"),
-    (["search.slots=[[1,3],[4,6],[5,8]]"], "search.slots[2]=[5, 8]: outside"),
-    (["search.slots=[[3,1],[4,6],[5,7]]"], "search.slots[0]=[3, 1]"),
-    (["search.slots=[[7,7],[7,7],[7,7]]"], "no point the serving engine"),
-    (["stages=[extract,train]"], "stages=['extract', 'train']"),
-    (["search.prune_metric=loss"], "search.prune_metric='loss'"),
-    (["search.prune_metric=acc_9"], "search.prune_metric='acc_9'"),
-    (["cluster=debug", "search.n_jobs=2"], "search.n_jobs=2 with cluster=debug"),
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["search.slots=[[1,3],[4,6]]"], "search.slots has 2 ranges"),
+        (["search.slots=[[1,3],[4,6],[5,8]]"], "search.slots[2]=[5, 8]: outside"),
+        (["search.slots=[[3,1],[4,6],[5,7]]"], "search.slots[0]=[3, 1]"),
+        (["search.slots=[[7,7],[7,7],[7,7]]"], "no point the serving engine"),
+        (["stages=[extract,train]"], "stages=['extract', 'train']"),
+        (["search.prune_metric=loss"], "search.prune_metric='loss'"),
+        (["search.prune_metric=acc_9"], "search.prune_metric='acc_9'"),
+        (["cluster=debug", "search.n_jobs=2"], "search.n_jobs=2 with cluster=debug"),
+    ],
+)
 def test_bad_search_fails_naming_the_key(tmp_path, overrides, key):
     raw = compose_search(tmp_path, *overrides)
     with pytest.raises(search.SearchError, match=key.replace("[", r"\[").replace("]", r"\]")):
@@ -110,7 +130,9 @@ def test_union_over_budget_proposes_candidates(tmp_path):
     assert set([1, 4, 6]) <= set(candidates) < set(sp.union)
     cfg2, experiment2, sp2 = space_of(tmp_path, "extract.max_bytes=3e7", f"search.candidates={proposal}")
     extract_cfg, storage = search.union_storage(cfg2, experiment2, sp2)
-    assert storage["max_bytes"] <= storage["limit_bytes"] and extract_cfg.extract.extra_layers == sp2.union == candidates
+    assert (
+        storage["max_bytes"] <= storage["limit_bytes"] and extract_cfg.extract.extra_layers == sp2.union == candidates
+    )
 
 
 def test_dry_run_prints_the_union_storage(tmp_path, capsys):
@@ -127,18 +149,34 @@ def _study(outputs: Path, name: str) -> optuna.Study:
 def _trial_points(folder: Path) -> list[list[int]]:
     """The aux_layers of every pipeline the study started, as its training job received them (the plan)."""
     plans = sorted((folder / "trials").glob("*/plan.json"))
-    return [next(s["layer_ids"]["aux_layers"] for s in json.loads(p.read_text())["stages"] if s["stage"] == "train") for p in plans]
+    return [
+        next(s["layer_ids"]["aux_layers"] for s in json.loads(p.read_text())["stages"] if s["stage"] == "train")
+        for p in plans
+    ]
 
 
 def test_study_resumes_after_a_killed_driver(outputs, tmp_path):
     """The driver is killed (with its jobs) mid-trial; the same command continues the study: the unfinished
     trial's point runs again, the parent run is the same, and the study reaches search.n_trials."""
     name = "resume"
-    command = [sys.executable, "-m", "orchestrator", "+experiment=tiny_eagle3", "+search=tiny_llama", f"outputs_dir={outputs}",
-               *FAST, *TRIAL, f"search.study_name={name}", "search.n_trials=2", "search/pruner=none"]
+    command = [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        "+experiment=tiny_eagle3",
+        "+search=tiny_llama",
+        f"outputs_dir={outputs}",
+        *FAST,
+        *TRIAL,
+        f"search.study_name={name}",
+        "search.n_trials=2",
+        "search/pruner=none",
+    ]
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
     log = (tmp_path / "first.log").open("w")
-    driver = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    driver = subprocess.Popen(
+        command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
     db = outputs / "search" / name / "optuna.db"
     deadline = time.time() + 900
     try:
@@ -171,7 +209,9 @@ def test_study_resumes_after_a_killed_driver(outputs, tmp_path):
     summary = json.loads((outputs / "search" / name / "search.json").read_text())
     assert summary["mlflow_parent_run_id"] == parent and summary["best"]["value"] == max(t.value for t in finished)
     uri = search.tracking.tracking_uri(None, outputs)
-    left = MlflowClient(uri).get_run(search.tracking.child_run_id(uri, parent, outputs / "search" / name / "trials" / "0000"))
+    left = MlflowClient(uri).get_run(
+        search.tracking.child_run_id(uri, parent, outputs / "search" / name / "trials" / "0000")
+    )
     assert left.info.status == "KILLED" and left.data.tags["search.trial_state"] == "interrupted"
 
 
@@ -182,8 +222,14 @@ def test_pruned_trials_and_parent_run(outputs):
     name = "prune"
     raw = compose_search(outputs, *TRIAL, f"search.study_name={name}", "search.n_trials=1", "search/pruner=none")
     assert search.main(raw) == 0  # the baseline completes
-    raw = compose_search(outputs, *TRIAL, f"search.study_name={name}", "search.n_trials=3", "search/pruner=threshold",
-                         "search.pruner.lower=1e9")
+    raw = compose_search(
+        outputs,
+        *TRIAL,
+        f"search.study_name={name}",
+        "search.n_trials=3",
+        "search/pruner=threshold",
+        "search.pruner.lower=1e9",
+    )
     assert search.main(raw) == 0
     study = _study(outputs, name)
     states = [t.state for t in study.trials]
@@ -208,10 +254,17 @@ def test_pruned_trials_and_parent_run(outputs):
         assert json.loads((run_dir / PRUNED_RECORD).read_text())["step"] == 8
     complete = by_trial[0]
     assert complete.data.tags["search.trial_state"] == "complete" and complete.info.status == "FINISHED"
-    assert complete.data.metrics["search/objective"] == study.trials[0].value == complete.data.metrics["eval/expected_accept_length"]
+    assert (
+        complete.data.metrics["search/objective"]
+        == study.trials[0].value
+        == complete.data.metrics["eval/expected_accept_length"]
+    )
     assert complete.data.params["aux_layers"] == "1, 4, 6"
     assert parent.info.status == "FINISHED"
-    assert parent.data.tags["search.best_aux_layers"] == "[1, 4, 6]" and parent.data.metrics["search/best_objective"] == study.trials[0].value
+    assert (
+        parent.data.tags["search.best_aux_layers"] == "[1, 4, 6]"
+        and parent.data.metrics["search/best_objective"] == study.trials[0].value
+    )
     assert int(parent.data.tags["search.trials_pruned"]) == len(pruned)
     artifacts = {a.path for a in client.list_artifacts(parent_id)}
     assert {"objective_by_layers.png", "search.json"} <= artifacts
@@ -224,19 +277,39 @@ def test_hydra_sweeper_optuna_runs_the_layer_search(outputs, tmp_path):
     """`-m hydra/sweeper=optuna` (hydra_plugins/eagle_orchestrator_search) hands Hydra's composed config to the
     layer search (`search.main`, which the other tests run): a grid inside it and a missing space are refused
     before anything runs, and its dry run prints the study's space and plan."""
+
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "orchestrator", "-m", "hydra/sweeper=optuna", "+experiment=tiny_eagle3",
-                               f"outputs_dir={outputs}", *FAST, *args], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "orchestrator",
+                "-m",
+                "hydra/sweeper=optuna",
+                "+experiment=tiny_eagle3",
+                f"outputs_dir={outputs}",
+                *FAST,
+                *args,
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
 
     grid = cli("+search=tiny_llama", "aux_layers=[1,4,6],[0,3,6]")
-    assert grid.returncode == 2 and "aux_layers=[1,4,6],[0,3,6]: the layer search samples aux_layers" in grid.stderr, grid.stderr
+    assert grid.returncode == 2 and "aux_layers=[1,4,6],[0,3,6]: the layer search samples aux_layers" in grid.stderr, (
+        grid.stderr
+    )
     bare = cli()
     assert bare.returncode == 2 and "add +search=<space>" in bare.stderr, bare.stderr
     name = "sweeper"
     run = cli("+search=tiny_llama", *TRIAL, f"search.study_name={name}", "search.n_trials=3", "dry_run=true")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "layer search 'sweeper': 54 points the serving engine can capture" in run.stdout, run.stdout
-    assert "eval/expected_accept_length (maximised); 3 trials" in run.stdout and "dry run: nothing submitted" in run.stdout
+    assert (
+        "eval/expected_accept_length (maximised); 3 trials" in run.stdout and "dry run: nothing submitted" in run.stdout
+    )
     assert not (outputs / "search" / name).exists()
 
 
@@ -250,11 +323,17 @@ def test_a_pruned_point_proposed_again_is_not_run_again(outputs):
     for _ in range(2):
         study.enqueue_trial({"slot_0": 1, "slot_1": 5, "slot_2": 6}, skip_if_exists=False)
     study.enqueue_trial({"slot_0": 1, "slot_1": 4, "slot_2": 6}, skip_if_exists=False)
-    raw = compose_search(outputs, *TRIAL, *two_points, "search.n_trials=4", "search/pruner=threshold", "search.pruner.lower=1e9")
+    raw = compose_search(
+        outputs, *TRIAL, *two_points, "search.n_trials=4", "search/pruner=threshold", "search.pruner.lower=1e9"
+    )
     assert search.main(raw) == 0
     trials = _study(outputs, name).trials
     assert [(t.user_attrs["aux_layers"], t.state.name, t.user_attrs.get("duplicate_of")) for t in trials] == [
-        ([1, 4, 6], "COMPLETE", None), ([1, 5, 6], "PRUNED", None), ([1, 5, 6], "PRUNED", 1), ([1, 4, 6], "COMPLETE", 0)]
+        ([1, 4, 6], "COMPLETE", None),
+        ([1, 5, 6], "PRUNED", None),
+        ([1, 5, 6], "PRUNED", 1),
+        ([1, 4, 6], "COMPLETE", 0),
+    ]
     assert trials[2].intermediate_values == trials[1].intermediate_values == {8: trials[1].intermediate_values[8]}
     assert trials[3].value == trials[0].value
     folder = outputs / "search" / name / "trials"
@@ -267,8 +346,13 @@ def test_demo_search_finds_at_least_the_baseline(tmp_path):
     its trials, a point the sampler proposed (not the enqueued baseline) does at least as well as the
     experiment's own aux_layers."""
     env = os.environ | {"EAGLE_ORCH_OUTPUTS": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", "+experiment=tiny_layer_search"], env=env,
-                          capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "+experiment=tiny_layer_search"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(next((tmp_path / "search").glob("*/search.json")).read_text())
     base = summary["baseline"]

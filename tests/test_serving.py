@@ -57,7 +57,9 @@ def test_server_that_fails_to_start(served, tmp_path):
     assert _gone(server.proc.pid)
 
 
-@pytest.mark.parametrize("fault, expected", [(signal.SIGSTOP, "the server hangs"), (signal.SIGKILL, "server died mid-benchmark")])
+@pytest.mark.parametrize(
+    "fault, expected", [(signal.SIGSTOP, "the server hangs"), (signal.SIGKILL, "server died mid-benchmark")]
+)
 def test_server_that_fails_mid_benchmark(served, tmp_path, fault, expected):
     cfg, plan, prompts = served
     with pytest.raises(client.ServerError) as err:
@@ -87,7 +89,9 @@ def test_failing_serve_stage_marks_the_run_failed(tiny_config, served, tmp_path)
         run_pipeline(cfg, tmp_path / "run")
     runs = MlflowClient(plan.tracking_uri).search_runs(
         [MlflowClient(plan.tracking_uri).get_experiment_by_name(cfg.tracking.experiment).experiment_id],
-        filter_string="attributes.status = 'FAILED'", order_by=["attributes.start_time DESC"], max_results=1,
+        filter_string="attributes.status = 'FAILED'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
     )
     assert runs and "stage serve" in runs[0].data.tags["error"] and "timed out" in runs[0].data.tags["error"]
     assert "server log tail" in runs[0].data.tags["error"]

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from golden import GOLDEN_DIR, assert_matches_golden
 from hydra import compose, initialize_config_dir
 
 import orchestrator
@@ -24,8 +25,6 @@ from orchestrator.draft import export as draft_export
 from orchestrator.draft.model import DraftShape, Eagle3Draft, default_shape
 from orchestrator.serving import sglang
 from orchestrator.serving.sglang import ServingRefused
-
-from golden import GOLDEN_DIR, assert_matches_golden
 
 SERVING_PYTHON = "/opt/sglang-env/bin/python"
 PORT = 30000
@@ -77,11 +76,22 @@ def target_config_of(cfg: RootConfig) -> dict[str, Any]:
 def exported_draft_config(cfg: RootConfig) -> dict[str, Any]:
     t, d = cfg.target, cfg.draft
     shape = default_shape(
-        t.hidden_size, t.vocab_size, d.num_aux_layers, d.hidden_size, d.num_attention_heads, d.num_key_value_heads,
-        d.head_dim, d.intermediate_size, d.draft_vocab_size, d.rms_norm_eps, t.rope_theta,
+        t.hidden_size,
+        t.vocab_size,
+        d.num_aux_layers,
+        d.hidden_size,
+        d.num_attention_heads,
+        d.num_key_value_heads,
+        d.head_dim,
+        d.intermediate_size,
+        d.draft_vocab_size,
+        d.rms_norm_eps,
+        t.rope_theta,
         d.max_position_embeddings or t.max_position_embeddings,
     )
-    ids = layer_contract.to_engine_ids(cfg.serve.engine, cfg.aux_layers, t.num_hidden_layers, t.family, cfg.serve.sglang_version)
+    ids = layer_contract.to_engine_ids(
+        cfg.serve.engine, cfg.aux_layers, t.num_hidden_layers, t.family, cfg.serve.sglang_version
+    )
     return draft_export.draft_config(shape, ids, d.torch_dtype, target_config_of(cfg), shape.max_position_embeddings)
 
 
@@ -113,8 +123,16 @@ def test_launch_command_invariants():
 
 
 def test_optional_flags_follow_the_config():
-    cfg = make_config(["+experiment=tiny_eagle3", "serve=sglang", "serve.cuda_graph_max_bs_decode=16",
-                       "serve.mem_fraction_static=0.7", "serve.dtype=null", "serve.extra_args=[--log-level,debug]"])
+    cfg = make_config(
+        [
+            "+experiment=tiny_eagle3",
+            "serve=sglang",
+            "serve.cuda_graph_max_bs_decode=16",
+            "serve.mem_fraction_static=0.7",
+            "serve.dtype=null",
+            "serve.extra_args=[--log-level,debug]",
+        ]
+    )
     argv = sglang.launch_command(cfg, "/t", "/d", 31000, host="0.0.0.0")
     assert argv[argv.index("--cuda-graph-max-bs-decode") + 1] == "16"
     assert argv[argv.index("--mem-fraction-static") + 1] == "0.7"
@@ -179,9 +197,18 @@ def test_extra_args_that_fight_the_config_are_refused(extra, key):
 # ----------------------------------------------------------------------------------- the draft directory
 
 
-TINY = DraftShape(hidden_size=32, target_hidden_size=32, num_aux_layers=3, num_attention_heads=2,
-                  num_key_value_heads=2, head_dim=16, intermediate_size=64, vocab_size=64, draft_vocab_size=48,
-                  max_position_embeddings=2048)
+TINY = DraftShape(
+    hidden_size=32,
+    target_hidden_size=32,
+    num_aux_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=64,
+    vocab_size=64,
+    draft_vocab_size=48,
+    max_position_embeddings=2048,
+)
 TINY_TARGET = {"hidden_size": 32, "vocab_size": 64, "max_position_embeddings": 2048, "rope_theta": 10000.0}
 
 

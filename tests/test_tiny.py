@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from orchestrator.tiny import build_tiny_target, load_build_report, spec_hash, stdlib_conversations
 from orchestrator.tiny import build as build_mod
+from orchestrator.tiny import build_tiny_target, load_build_report, spec_hash, stdlib_conversations
 from orchestrator.tiny.corpus import is_heldout
 
 FAST_TRAIN = {
@@ -78,6 +78,7 @@ def test_corpus_deterministic_and_split():
         assert [m["role"] for m in conv] in (["user", "assistant"], ["user", "assistant"] * 2)
         for m in conv[1::2]:
             assert m["content"].strip() and len(m["content"]) <= 1200 + 400
+
     # The split is by file, so no file appears on both sides.
     def files(convs):
         return {c[0]["content"].split("`")[1] for c in convs}

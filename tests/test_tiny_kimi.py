@@ -17,19 +17,38 @@ from orchestrator.capture import HiddenStateCapture, base_model, teacher_logits
 from orchestrator.draft import rope as draft_rope
 from orchestrator.draft.export import validate_draft_dir
 from orchestrator.pipeline import run_pipeline
-from orchestrator.targets import identity, target_dir, load_head_tensors, load_target, target_config_json
+from orchestrator.targets import identity, load_head_tensors, load_target, target_config_json, target_dir
 from orchestrator.tiny import build_tiny_target
 
 EXPERIMENT = "tiny_kimi_eagle3"
 # The experiment's target, shrunk to build in seconds (the text model keeps MLA, MoE and the YaRN rope).
-SMALL_MODEL = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "q_lora_rank": 32,
-               "kv_lora_rank": 32, "vocab_size": 512}
-SMALL_TRAIN = {"steps": 5, "seq_len": 64, "batch_size": 2, "warmup_steps": 2, "max_files": 16,
-               "tokenizer_vocab_size": 384, "tokenizer_max_texts": 2000, "eval_sequences": 4}
+SMALL_MODEL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "vocab_size": 512,
+}
+SMALL_TRAIN = {
+    "steps": 5,
+    "seq_len": 64,
+    "batch_size": 2,
+    "warmup_steps": 2,
+    "max_files": 16,
+    "tokenizer_vocab_size": 384,
+    "tokenizer_max_texts": 2000,
+    "eval_sequences": 4,
+}
 # The pipeline's tiny Kimi: a MoE step is slow on a CPU, so fewer, shorter steps than FAST's; at a gentler lr
 # than the full build's, so that 40 steps already answer with text rather than <|end|> (what serving measures).
-PIPELINE = ["target.tiny.train.steps=40", "target.tiny.train.seq_len=128", "target.tiny.train.batch_size=4",
-            "target.tiny.train.lr=3e-3", "target.tiny.train.warmup_steps=10"]
+PIPELINE = [
+    "target.tiny.train.steps=40",
+    "target.tiny.train.seq_len=128",
+    "target.tiny.train.batch_size=4",
+    "target.tiny.train.lr=3e-3",
+    "target.tiny.train.warmup_steps=10",
+]
 KIMI_YARN = {"factor": 64.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
@@ -38,7 +57,9 @@ def kimi_dir(tiny_config, tmp_path_factory) -> Path:
     tiny = tiny_config(experiment=EXPERIMENT, fast=False).target.tiny
     assert tiny.arch == "kimi_k25"
     out = tmp_path_factory.mktemp("kimi") / "target"
-    return build_tiny_target(out, tiny.arch, {**tiny.model, **SMALL_MODEL}, {**tiny.train, **SMALL_TRAIN}, progress=False)
+    return build_tiny_target(
+        out, tiny.arch, {**tiny.model, **SMALL_MODEL}, {**tiny.train, **SMALL_TRAIN}, progress=False
+    )
 
 
 def test_saved_as_the_kimi_wrapper_checkpoint(kimi_dir):
@@ -52,9 +73,14 @@ def test_saved_as_the_kimi_wrapper_checkpoint(kimi_dir):
     with safe_open(str(kimi_dir / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
     assert all(n.startswith("language_model.") for n in names)
-    for name in ("language_model.model.embed_tokens.weight", "language_model.model.norm.weight", "language_model.lm_head.weight",
-                 "language_model.model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
-                 "language_model.model.layers.1.mlp.experts.gate_up_proj", "language_model.model.layers.1.mlp.gate.weight"):
+    for name in (
+        "language_model.model.embed_tokens.weight",
+        "language_model.model.norm.weight",
+        "language_model.lm_head.weight",
+        "language_model.model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+        "language_model.model.layers.1.mlp.experts.gate_up_proj",
+        "language_model.model.layers.1.mlp.gate.weight",
+    ):
         assert name in names, (name, sorted(names)[:20])
     # the rope the draft is exported with: Kimi's YaRN, read from text_config
     rope = draft_rope.read(target_config_json(kimi_dir))
@@ -84,11 +110,14 @@ def test_loads_and_captures_through_the_wrapper(kimi_dir, tiny_config):
     hidden = out.hidden_states
     assert torch.equal(capture.aux(), torch.cat([hidden[0], hidden[3], hidden[4]], dim=-1))
     assert torch.allclose(teacher_logits(model, capture.teacher(), "post_norm"), out.logits, atol=1e-5)
-    generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
-                               pad_token_id=tokenizer.pad_token_id)
+    generated = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
     assert generated.shape[1] == ids.shape[1] + 3
 
-    cfg = tiny_config("target.hidden_size=64", "target.vocab_size=512", "draft.draft_vocab_size=256", experiment=EXPERIMENT)
+    cfg = tiny_config(
+        "target.hidden_size=64", "target.vocab_size=512", "draft.draft_vocab_size=256", experiment=EXPERIMENT
+    )
     assert identity(cfg, kimi_dir).num_hidden_layers == 6, "the text model's shape, read from text_config"
 
 
@@ -101,12 +130,16 @@ def test_a_wrapper_without_its_text_weights_is_refused(kimi_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
     # a layer's experts left out (as an INT4 checkpoint's `weight_packed` names would be): never random weights
-    kept = {k: v for k, v in load_file(str(kimi_dir / "model.safetensors")).items() if ".layers.1.mlp.experts." not in k}
+    kept = {
+        k: v for k, v in load_file(str(kimi_dir / "model.safetensors")).items() if ".layers.1.mlp.experts." not in k
+    }
     save_file(kept, str(broken / "model.safetensors"))
     with pytest.raises(ArtifactError, match=r"missing under 'language_model\.'"):
         load_target(broken)
     conf = json.loads((kimi_dir / "config.json").read_text())
-    (broken / "config.json").write_text(json.dumps({**conf, "quantization_config": {"quant_method": "compressed-tensors"}}))
+    (broken / "config.json").write_text(
+        json.dumps({**conf, "quantization_config": {"quant_method": "compressed-tensors"}})
+    )
     with pytest.raises(ArtifactError, match="compressed-tensors.*dequantise"):
         load_target(broken)
 
@@ -120,7 +153,12 @@ def test_tiny_kimi_pipeline_all_four_stages(tiny_config, tmp_path):
     draft = Path(summary["stages"]["train"]["draft_dir"])
     assert validate_draft_dir(draft, target_config_json(target_dir(cfg))) == []
     conf = json.loads((draft / "config.json").read_text())
-    assert conf["rope_parameters"] == {"rope_theta": 50000.0, "rope_type": "yarn", **KIMI_YARN, "original_max_position_embeddings": 32}
+    assert conf["rope_parameters"] == {
+        "rope_theta": 50000.0,
+        "rope_type": "yarn",
+        **KIMI_YARN,
+        "original_max_position_embeddings": 32,
+    }
     # Kimi's pattern [-1, 2, 3] written for SGLang 0.5.23's DeepSeek/Kimi rule (PR #25454): first id != 1, no shift
     ids = conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     assert cfg.aux_layers == [-1, 2, 3] and ids == [0, 3, 4]

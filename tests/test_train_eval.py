@@ -48,12 +48,15 @@ def _altered_draft(plan, tmp_path: Path, edit) -> tuple[Path, object]:
     edit(conf)
     conf_path.write_text(json.dumps(conf))
     moved = _with_train_dir(plan, altered)
-    return altered / "draft", dataclasses.replace(moved, stage_dirs={**moved.stage_dirs, "eval": str(tmp_path / "eval")})
+    return altered / "draft", dataclasses.replace(
+        moved, stage_dirs={**moved.stage_dirs, "eval": str(tmp_path / "eval")}
+    )
 
 
 def _set_ids(ids):
     def edit(conf):
         conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+
     return edit
 
 
@@ -66,7 +69,9 @@ def test_killed_training_resumes_to_the_uninterrupted_weights(trained, tmp_path)
     args = tmp_path / "args.pkl"
     args.write_bytes(pickle.dumps(("train", cfg, interrupted, tracker.run_id)))
     script = "import pickle, sys; from orchestrator.pipeline import run_stage; run_stage(*pickle.load(open(sys.argv[1], 'rb')))"
-    proc = subprocess.Popen([sys.executable, "-c", script, str(args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     checkpoint = tmp_path / "train" / "checkpoints" / "latest.pt"
     deadline = time.monotonic() + 300
     while not checkpoint.exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -89,14 +94,18 @@ def test_killed_training_resumes_to_the_uninterrupted_weights(trained, tmp_path)
 def test_train_refuses_extraction_with_other_layers(trained, tiny_config, tmp_path):
     cfg, plan = trained
     other = tiny_config("aux_layers=[0,3,6]", "cluster=debug")
-    mixed = dataclasses.replace(make_plan(other, tmp_path / "run"), stage_dirs={**plan.stage_dirs, "train": str(tmp_path / "t")})
+    mixed = dataclasses.replace(
+        make_plan(other, tmp_path / "run"), stage_dirs={**plan.stage_dirs, "train": str(tmp_path / "t")}
+    )
     with pytest.raises(ArtifactError, match=r"aux_layers is \[1, 4, 6\] but this run's config says \[0, 3, 6\]"):
         run_stage("train", other, mixed, _tracker(plan, "refuse").run_id)
 
 
 def test_eval_flags_draft_ids_changed_to_other_layers(trained, tmp_path):
     cfg, plan = trained
-    assert json.loads((plan.dir("train") / "draft" / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 4, 6]
+    assert json.loads((plan.dir("train") / "draft" / "config.json").read_text())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"
+    ] == [1, 4, 6]
     _, eval_plan = _altered_draft(plan, tmp_path, _set_ids([0, 2, 5]))
     tracker = _tracker(plan, "eval-mismatch")
     result = run_stage("eval", cfg, eval_plan, tracker.run_id)
@@ -182,6 +191,7 @@ def target_weights_forbidden(trained, monkeypatch):
             if Path(path).resolve().is_relative_to(target):
                 raise AssertionError(f"read the target's weights: {path}")
             return fn(path, *args, **kwargs)
+
         return checked
 
     def no_model(*args, **kwargs):

@@ -10,8 +10,17 @@ from orchestrator.draft.model import DraftShape, Eagle3Draft
 from orchestrator.stages.train import Batch, TeacherHead, counts_dict, ttt_forward, ttt_step_targets
 
 VOCAB, DRAFT_VOCAB, HIDDEN = 50, 20, 32
-SHAPE = DraftShape(hidden_size=HIDDEN, target_hidden_size=HIDDEN, num_aux_layers=3, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=8, intermediate_size=48, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB)
+SHAPE = DraftShape(
+    hidden_size=HIDDEN,
+    target_hidden_size=HIDDEN,
+    num_aux_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    vocab_size=VOCAB,
+    draft_vocab_size=DRAFT_VOCAB,
+)
 
 
 def make_case(seed=0, teacher="pre_norm", block_elements=2**28):
@@ -29,13 +38,20 @@ def make_case(seed=0, teacher="pre_norm", block_elements=2**28):
     direction = torch.randn(HIDDEN)
     lm_head = torch.randn(VOCAB, HIDDEN)
     lm_head[kept[likely]] = 4 * direction
-    head = TeacherHead({"norm": 1 + 0.1 * torch.randn(HIDDEN), "lm_head": lm_head}, teacher, 1e-6, block_elements=block_elements)
+    head = TeacherHead(
+        {"norm": 1 + 0.1 * torch.randn(HIDDEN), "lm_head": lm_head}, teacher, 1e-6, block_elements=block_elements
+    )
     lengths = torch.tensor([14, 9, 5])
     width = int(lengths.max())
     ids = torch.randint(0, VOCAB, (3, width))
     inside = torch.arange(width)[None] < lengths[:, None]
-    batch = Batch(ids * inside, inside & (torch.rand(3, width) < 0.8), lengths,
-                  torch.randn(3, width, 3 * HIDDEN) * inside[..., None], (torch.randn(3, width, HIDDEN) + direction) * inside[..., None])
+    batch = Batch(
+        ids * inside,
+        inside & (torch.rand(3, width) < 0.8),
+        lengths,
+        torch.randn(3, width, 3 * HIDDEN) * inside[..., None],
+        (torch.randn(3, width, HIDDEN) + direction) * inside[..., None],
+    )
     return draft, head, batch, kept
 
 
@@ -94,7 +110,9 @@ def test_teacher_head_blocks_give_full_vocabulary_argmax_and_kept_logits(rows_pe
     outside = [i for i in range(VOCAB) if i not in set(kept.tolist())]
     lm_head[outside[-1]] = lm_head[kept[0]] = lm_head[3] = 3  # a three-way tie far apart in the vocabulary
     state = torch.randint(0, 3, (3, 14, HIDDEN)).float()
-    head = TeacherHead({"norm": torch.ones(HIDDEN), "lm_head": lm_head}, "post_norm", 1e-6, block_elements=3 * 14 * rows_per_block)
+    head = TeacherHead(
+        {"norm": torch.ones(HIDDEN), "lm_head": lm_head}, "post_norm", 1e-6, block_elements=3 * 14 * rows_per_block
+    )
     full = state @ lm_head.T
     kept_logits, best = head(state, kept)
     assert torch.equal(kept_logits, full[..., kept])
@@ -136,7 +154,14 @@ def eager_sequences(folder, manifest, columns):
         t = load_file(str(folder / record["file"]))
         offsets = [0] + torch.cumsum(t["seq_lens"].long(), 0).tolist()
         for a, b in zip(offsets[:-1], offsets[1:]):
-            out.append((t["input_ids"][a:b].long(), t["loss_mask"][a:b].bool(), t["aux_hidden_states"][a:b][:, columns], t["teacher_hidden_state"][a:b]))
+            out.append(
+                (
+                    t["input_ids"][a:b].long(),
+                    t["loss_mask"][a:b].bool(),
+                    t["aux_hidden_states"][a:b][:, columns],
+                    t["teacher_hidden_state"][a:b],
+                )
+            )
     return out
 
 
@@ -191,4 +216,3 @@ def test_streaming_split_holds_bounded_ram_whatever_the_data_set_size(tmp_path):
     batch_bytes = 4 * 39 * (3 * 64 + 64) * 4 * 2
     peak, data_bytes = peaks[20]
     assert peak <= batch_bytes + 3 * 8 * 120 + 4096 and peak < data_bytes / 4, peaks
-

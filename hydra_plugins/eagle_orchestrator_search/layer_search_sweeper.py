@@ -25,7 +25,9 @@ class LayerSearchSweeperConf:
     _target_: str = "hydra_plugins.eagle_orchestrator_search.layer_search_sweeper.LayerSearchSweeper"
 
 
-ConfigStore.instance().store(group="hydra/sweeper", name="optuna", node=LayerSearchSweeperConf, provider="eagle-orchestrator")
+ConfigStore.instance().store(
+    group="hydra/sweeper", name="optuna", node=LayerSearchSweeperConf, provider="eagle-orchestrator"
+)
 
 
 class LayerSearchSweeper(Sweeper):
@@ -43,15 +45,21 @@ class LayerSearchSweeper(Sweeper):
         assert self.config is not None, "setup() first"
         grids = [o.input_line for o in OverridesParser.create().parse_overrides(arguments) if o.is_sweep_override()]
         if grids:
-            print(f"error: hydra/sweeper=optuna: {', '.join(grids)}: the layer search samples aux_layers from "
-                  "search.slots; a grid of values inside it is not supported (run one search per value)", file=sys.stderr)
+            print(
+                f"error: hydra/sweeper=optuna: {', '.join(grids)}: the layer search samples aux_layers from "
+                "search.slots; a grid of values inside it is not supported (run one search per value)",
+                file=sys.stderr,
+            )
             sys.exit(2)
         cfg = OmegaConf.create(OmegaConf.to_container(self.config, resolve=False))
         with open_dict(cfg):
             cfg.pop("hydra", None)
         if "search" not in cfg:
-            print("error: hydra/sweeper=optuna searches aux_layers over a space: add +search=<space> "
-                  "(conf/search/: tiny_llama, kimi_k25)", file=sys.stderr)
+            print(
+                "error: hydra/sweeper=optuna searches aux_layers over a space: add +search=<space> "
+                "(conf/search/: tiny_llama, kimi_k25)",
+                file=sys.stderr,
+            )
             sys.exit(2)
         code = search_main(cfg)
         if code:

@@ -107,7 +107,9 @@ def draft_config(
     return conf
 
 
-def export(model: Eagle3Draft, folder: Path, config: dict[str, Any], provenance: dict[str, Any], target_config: dict[str, Any]) -> None:
+def export(
+    model: Eagle3Draft, folder: Path, config: dict[str, Any], provenance: dict[str, Any], target_config: dict[str, Any]
+) -> None:
     """Writes the draft directory (weights, then config, then provenance) and validates it."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -159,25 +161,57 @@ def validate_draft_dir(folder: Path, target_config: dict[str, Any] | None = None
         if not cond:
             problems.append(f"config.json: {msg}")
 
-    need(conf.get("architectures") == [ARCHITECTURE], f"architectures={conf.get('architectures')}, expected [{ARCHITECTURE!r}] (EAGLE-3 weights are only remapped for it)")
+    need(
+        conf.get("architectures") == [ARCHITECTURE],
+        f"architectures={conf.get('architectures')}, expected [{ARCHITECTURE!r}] (EAGLE-3 weights are only remapped for it)",
+    )
     need(conf.get("num_hidden_layers") == 1, f"num_hidden_layers={conf.get('num_hidden_layers')}, expected 1")
-    for key in ("hidden_size", "vocab_size", "draft_vocab_size", "target_hidden_size", "intermediate_size", "num_attention_heads", "max_position_embeddings"):
-        need(isinstance(conf.get(key), int), f"{key} missing or not an integer (draft_vocab_size missing raises AttributeError in SGLang)")
-    need(conf.get("torch_dtype") in ("bfloat16", "float16", "float32"), f"torch_dtype={conf.get('torch_dtype')!r}; missing loads the draft as fp16")
-    need(conf.get("tie_word_embeddings") is False, "tie_word_embeddings must be false (lm_head is over the draft vocabulary)")
+    for key in (
+        "hidden_size",
+        "vocab_size",
+        "draft_vocab_size",
+        "target_hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "max_position_embeddings",
+    ):
+        need(
+            isinstance(conf.get(key), int),
+            f"{key} missing or not an integer (draft_vocab_size missing raises AttributeError in SGLang)",
+        )
+    need(
+        conf.get("torch_dtype") in ("bfloat16", "float16", "float32"),
+        f"torch_dtype={conf.get('torch_dtype')!r}; missing loads the draft as fp16",
+    )
+    need(
+        conf.get("tie_word_embeddings") is False,
+        "tie_word_embeddings must be false (lm_head is over the draft vocabulary)",
+    )
     eagle = conf.get("eagle_config")
     need(isinstance(eagle, dict), "eagle_config missing: SGLang then captures its default layers, not the trained ones")
     if isinstance(eagle, dict):
         ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-        need(isinstance(ids, list) and all(isinstance(i, int) for i in ids) and ids, "eagle_config.eagle_aux_hidden_state_layer_ids must be a non-empty list of ints")
+        need(
+            isinstance(ids, list) and all(isinstance(i, int) for i in ids) and ids,
+            "eagle_config.eagle_aux_hidden_state_layer_ids must be a non-empty list of ints",
+        )
         need(eagle.get("use_aux_hidden_state", True) is True, "eagle_config.use_aux_hidden_state must be true")
     problems += [f"config.json: {p}" for p in rope_problems(folder, conf, target_config)]
     if target_config:
         target_ctx = target_config.get("max_position_embeddings")
         if isinstance(target_ctx, int) and isinstance(conf.get("max_position_embeddings"), int):
-            need(conf["max_position_embeddings"] >= target_ctx, f"max_position_embeddings={conf['max_position_embeddings']} < the target's {target_ctx} (SGLang refuses to start)")
-        need(conf.get("target_hidden_size") == target_config.get("hidden_size"), f"target_hidden_size={conf.get('target_hidden_size')} but the target's hidden_size is {target_config.get('hidden_size')}")
-        need(conf.get("vocab_size") == target_config.get("vocab_size"), f"vocab_size={conf.get('vocab_size')} but the target's is {target_config.get('vocab_size')}")
+            need(
+                conf["max_position_embeddings"] >= target_ctx,
+                f"max_position_embeddings={conf['max_position_embeddings']} < the target's {target_ctx} (SGLang refuses to start)",
+            )
+        need(
+            conf.get("target_hidden_size") == target_config.get("hidden_size"),
+            f"target_hidden_size={conf.get('target_hidden_size')} but the target's hidden_size is {target_config.get('hidden_size')}",
+        )
+        need(
+            conf.get("vocab_size") == target_config.get("vocab_size"),
+            f"vocab_size={conf.get('vocab_size')} but the target's is {target_config.get('vocab_size')}",
+        )
     if problems:
         return problems
 
@@ -194,9 +228,16 @@ def validate_draft_dir(folder: Path, target_config: dict[str, Any] | None = None
             problems.append(f"model.safetensors: {name} has shape {tuple(weights[name].shape)}, expected {shape}")
     unknown = sorted(set(weights) - set(expected) - OPTIONAL_WEIGHTS)
     if unknown:
-        problems.append(f"model.safetensors: unknown keys {unknown} (SGLang drops them silently; use the midlayer.* names)")
-    if "embed_tokens.weight" in weights and tuple(weights["embed_tokens.weight"].shape) != (s.vocab_size, s.hidden_size):
-        problems.append(f"model.safetensors: embed_tokens.weight has shape {tuple(weights['embed_tokens.weight'].shape)}")
+        problems.append(
+            f"model.safetensors: unknown keys {unknown} (SGLang drops them silently; use the midlayer.* names)"
+        )
+    if "embed_tokens.weight" in weights and tuple(weights["embed_tokens.weight"].shape) != (
+        s.vocab_size,
+        s.hidden_size,
+    ):
+        problems.append(
+            f"model.safetensors: embed_tokens.weight has shape {tuple(weights['embed_tokens.weight'].shape)}"
+        )
     if "d2t" in weights and tuple(weights["d2t"].shape) == (s.draft_vocab_size,):
         problems += check_vocab_map(weights["d2t"], weights.get("t2d"), s.vocab_size)
     return problems
@@ -220,7 +261,10 @@ def rope_problems(folder: Path, conf: dict[str, Any], target_config: dict[str, A
             ]
     record = read_json(folder / PROVENANCE, "draft provenance").get("rope") if (folder / PROVENANCE).exists() else None
     if record is not None:
-        trained, source = rope_lib.read({"rope_parameters": record}, f"{folder / PROVENANCE} rope"), "the draft was trained with"
+        trained, source = (
+            rope_lib.read({"rope_parameters": record}, f"{folder / PROVENANCE} rope"),
+            "the draft was trained with",
+        )
     elif target_config:
         try:
             trained, source = rope_lib.read(target_config, "the target's config.json"), "the target's config.json gives"

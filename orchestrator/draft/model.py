@@ -246,7 +246,9 @@ class Eagle3Draft(nn.Module):
         return Unrolled(out_logits, out_tokens)
 
     # ------------------------------------------------------------------------- incremental (serving) path
-    def _cached_step(self, h: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, cache: DraftCache, commit: bool):
+    def _cached_step(
+        self, h: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, cache: DraftCache, commit: bool
+    ):
         attn = self.midlayer.self_attn
         x = self.midlayer.attn_input(self.embed_tokens(ids), h)
         q, k, v = attn.qkv(x, positions)
@@ -301,7 +303,9 @@ def _ttt_width(head_dim: int, slots: int) -> int:
     return -(-(head_dim + 1 + slots) // 8) * 8  # a multiple of 8, as fused attention kernels want
 
 
-def _ttt_keys(key: torch.Tensor, val: torch.Tensor, valid: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _ttt_keys(
+    key: torch.Tensor, val: torch.Tensor, valid: torch.Tensor, slots: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 0's keys and values [B, h, L, D] widened, after `slots` slot rows: [B, h, slots + L, width]."""
     b, heads, length, dim = key.shape
     width = _ttt_width(dim, slots)
@@ -316,8 +320,14 @@ def _ttt_keys(key: torch.Tensor, val: torch.Tensor, valid: torch.Tensor, slots: 
     return keys, vals
 
 
-def _ttt_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, chain_k: list[torch.Tensor],
-                   chain_v: list[torch.Tensor], slots: int) -> torch.Tensor:
+def _ttt_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    vals: torch.Tensor,
+    chain_k: list[torch.Tensor],
+    chain_v: list[torch.Tensor],
+    slots: int,
+) -> torch.Tensor:
     """Attention output [B, h, L, D] of one TTT step's queries q [B, h, L, D] over step 0's keys (causal, valid ones)
     and the chain keys so far (chain_k[j]: step j + 1's key at the query's own position)."""
     b, heads, length, dim = q.shape
@@ -330,8 +340,9 @@ def _ttt_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, chai
     if used:
         query = torch.cat([query.new_zeros(b, heads, used, width), query], dim=2)
     first = slots - used
-    out = F.scaled_dot_product_attention(query, keys[:, :, first:], vals[:, :, first:], is_causal=True,
-                                         scale=1.0 / math.sqrt(dim))[:, :, used:]
+    out = F.scaled_dot_product_attention(
+        query, keys[:, :, first:], vals[:, :, first:], is_causal=True, scale=1.0 / math.sqrt(dim)
+    )[:, :, used:]
     ctx = out[..., :dim]
     for j, cv in enumerate(chain_v):
         ctx = ctx + out[..., dim + 1 + j, None] * cv

@@ -36,8 +36,15 @@ TYPES: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), {}),
     "yarn": (
         ("factor", "original_max_position_embeddings"),
-        {"extrapolation_factor": 1.0, "attn_factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
-         "mscale": None, "mscale_all_dim": None, "truncate": True},
+        {
+            "extrapolation_factor": 1.0,
+            "attn_factor": 1.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": None,
+            "mscale_all_dim": None,
+            "truncate": True,
+        },
     ),
 }
 INT_KEYS = {"original_max_position_embeddings"}
@@ -75,7 +82,9 @@ def read(config: dict[str, Any], where: str = "config.json") -> RopeSpec:
     parameters = config.get("rope_parameters")
     if parameters:
         if not isinstance(parameters, dict) or any(isinstance(v, dict) for v in parameters.values()):
-            raise RopeError(f"{where}: rope_parameters={parameters!r}: only one global rope dict is supported, not a per-layer-type one")
+            raise RopeError(
+                f"{where}: rope_parameters={parameters!r}: only one global rope dict is supported, not a per-layer-type one"
+            )
         scaling, key = parameters, "rope_parameters"
         theta = parameters.get("rope_theta", config.get("rope_theta", DEFAULT_THETA))
     else:
@@ -142,7 +151,9 @@ def _llama3(spec: RopeSpec, inv_freq: torch.Tensor) -> torch.Tensor:
     return torch.where(
         wavelen < high_freq_wavelen,
         inv_freq,
-        torch.where(wavelen > low_freq_wavelen, inv_freq / factor, (1 - smooth) * inv_freq / factor + smooth * inv_freq),
+        torch.where(
+            wavelen > low_freq_wavelen, inv_freq / factor, (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        ),
     )
 
 

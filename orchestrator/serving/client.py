@@ -53,7 +53,10 @@ class ServerProcess:
         self._log.flush()
         try:
             self.proc = subprocess.Popen(
-                self.command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                self.command,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 env={**os.environ, **(self.env or {})},
             )
         except OSError as exc:
@@ -122,7 +125,9 @@ def generate(server: ServerProcess, prompt: list[int], max_new_tokens: int, time
     try:
         r = requests.post(f"{server.url}/generate", json=payload, timeout=timeout)
     except requests.Timeout:
-        raise server.fail(f"request timed out after {timeout:.0f} s (serve.request_timeout_s): the server hangs") from None
+        raise server.fail(
+            f"request timed out after {timeout:.0f} s (serve.request_timeout_s): the server hangs"
+        ) from None
     except requests.RequestException as exc:
         state = "died" if not server.alive() else "dropped the connection"
         raise server.fail(f"server {state} mid-benchmark ({type(exc).__name__})") from None
@@ -133,7 +138,9 @@ def generate(server: ServerProcess, prompt: list[int], max_new_tokens: int, time
     return body
 
 
-def benchmark(server: ServerProcess, prompts: list[list[int]], max_new_tokens: int, concurrency: int, timeout: float) -> dict[str, Any]:
+def benchmark(
+    server: ServerProcess, prompts: list[list[int]], max_new_tokens: int, concurrency: int, timeout: float
+) -> dict[str, Any]:
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         responses = list(pool.map(lambda p: generate(server, p, max_new_tokens, timeout), prompts))
@@ -180,7 +187,9 @@ class EndpointError(RuntimeError):
 #                 (SGLang fills it from the same output_ids); "model" is the endpoint's first /v1/models entry
 
 
-def output_ids(url: str, prompt: list[int], sampling: dict[str, Any], api: str, timeout: float, model: str | None = None) -> list[int]:
+def output_ids(
+    url: str, prompt: list[int], sampling: dict[str, Any], api: str, timeout: float, model: str | None = None
+) -> list[int]:
     """The token ids an endpoint generates after `prompt`, as it returns them (never re-tokenised text).
 
     `sampling`: max_new_tokens, temperature, stop_token_ids and, optionally, sampling_seed, in SGLang's names;
@@ -189,8 +198,15 @@ def output_ids(url: str, prompt: list[int], sampling: dict[str, Any], api: str, 
         path, payload = "/generate", {"input_ids": prompt, "sampling_params": sampling}
     elif api == "completions":
         path = "/v1/completions"
-        payload = {"model": model, "prompt": prompt, "max_tokens": sampling["max_new_tokens"], "temperature": sampling["temperature"],
-                   "stop_token_ids": sampling.get("stop_token_ids"), "seed": sampling.get("sampling_seed"), "return_token_ids": True}
+        payload = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": sampling["max_new_tokens"],
+            "temperature": sampling["temperature"],
+            "stop_token_ids": sampling.get("stop_token_ids"),
+            "seed": sampling.get("sampling_seed"),
+            "return_token_ids": True,
+        }
     else:
         raise ValueError(f"api={api!r}: expected 'generate' or 'completions'")
     try:

@@ -13,15 +13,30 @@ from orchestrator.config import RootConfig
 from orchestrator.serving import sglang as sglang_engine
 
 
-def server_command(cfg: RootConfig, target: Path, draft: Path | None, port: int, compute: Compute | None = None) -> list[str]:
+def server_command(
+    cfg: RootConfig, target: Path, draft: Path | None, port: int, compute: Compute | None = None
+) -> list[str]:
     """The engine's command line; the reference engine computes on `compute`'s devices and in its dtype (the CPU in
     float32 without one). SGLang places itself (serve.tp_size, serve.dtype)."""
     s = cfg.serve
     compute = compute or compute_mod.cpu()
     if s.engine == "sglang":
         return sglang_engine.launch_command(cfg, str(target), str(draft) if draft else None, port)
-    cmd = [sys.executable, "-m", "orchestrator.serving.reference", "--target", str(target), "--port", str(port),
-           "--num-steps", str(s.num_steps), "--family", cfg.target.family, "--sglang-version", s.sglang_version]
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator.serving.reference",
+        "--target",
+        str(target),
+        "--port",
+        str(port),
+        "--num-steps",
+        str(s.num_steps),
+        "--family",
+        cfg.target.family,
+        "--sglang-version",
+        s.sglang_version,
+    ]
     if draft:
         cmd += ["--draft", str(draft)]
     cmd += ["--device", ",".join(str(d) for d in compute.devices), "--dtype", str(compute.dtype).removeprefix("torch.")]

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from orchestrator import layers as layer_contract
 from orchestrator import compute as compute_mod
+from orchestrator import layers as layer_contract
 from orchestrator.capture import HiddenStateCapture, num_decoder_layers
 from orchestrator.compute import Compute
 from orchestrator.draft.export import load_draft
@@ -48,7 +48,9 @@ from orchestrator.targets import load_target
 
 
 class Engine:
-    def __init__(self, target: Path, draft: Path | None, steps: int, family: str, sglang_version: str, compute: Compute):
+    def __init__(
+        self, target: Path, draft: Path | None, steps: int, family: str, sglang_version: str, compute: Compute
+    ):
         self.compute = compute
         self.model, self.tokenizer = load_target(target, compute=compute)
         self.eos = self.tokenizer.eos_token_id
@@ -99,13 +101,19 @@ class Engine:
             self.total_verify += verify
             if hist:
                 self.histogram = [a + b for a, b in zip(self.histogram, hist)]
-        finish = {"type": "stop", "matched": self.eos} if out and out[-1] == self.eos else {"type": "length", "length": max_new}
+        finish = (
+            {"type": "stop", "matched": self.eos}
+            if out and out[-1] == self.eos
+            else {"type": "length", "length": max_new}
+        )
         return {"output_ids": out, "verify": verify, "finish_reason": finish}
 
     def _baseline(self, prompt: list[int], max_new: int) -> list[int]:
         cache = DynamicCache()
         with self.timed("prefill"):
-            logits = self.model(input_ids=torch.tensor([prompt], device=self.compute.device), past_key_values=cache, use_cache=True).logits
+            logits = self.model(
+                input_ids=torch.tensor([prompt], device=self.compute.device), past_key_values=cache, use_cache=True
+            ).logits
         out = []
         while True:
             token = int(logits[0, -1].argmax())
@@ -113,7 +121,9 @@ class Engine:
             if len(out) >= max_new or token == self.eos:
                 return out
             with self.timed("decode"):
-                logits = self.model(input_ids=torch.tensor([[token]], device=self.compute.device), past_key_values=cache, use_cache=True).logits
+                logits = self.model(
+                    input_ids=torch.tensor([[token]], device=self.compute.device), past_key_values=cache, use_cache=True
+                ).logits
 
     def _speculative(self, prompt: list[int], max_new: int) -> tuple[list[int], int, list[int]]:
         steps = self.steps
@@ -121,10 +131,14 @@ class Engine:
         histogram = [0] * (steps + 1)
         with HiddenStateCapture(self.model, self.layers) as capture:
             with self.timed("prefill"):
-                logits = self.model(input_ids=torch.tensor([prompt], device=self.compute.device), past_key_values=cache, use_cache=True).logits
+                logits = self.model(
+                    input_ids=torch.tensor([prompt], device=self.compute.device), past_key_values=cache, use_cache=True
+                ).logits
                 token = int(logits[0, -1].argmax())
                 # Commit positions 0..P-1: target states there, each with the token that follows it.
-                h = self.draft.extend(capture.aux(), torch.tensor([prompt[1:] + [token]], device=self.compute.device), 0, dcache)
+                h = self.draft.extend(
+                    capture.aux(), torch.tensor([prompt[1:] + [token]], device=self.compute.device), 0, dcache
+                )
             out = [token]
             last = len(prompt) - 1
             verify = 0
@@ -132,7 +146,11 @@ class Engine:
                 with self.timed("draft_chain"):
                     drafts = self.draft.chain(h, last, dcache, steps)
                 with self.timed("verify"):
-                    logits = self.model(input_ids=torch.tensor([[token] + drafts], device=self.compute.device), past_key_values=cache, use_cache=True).logits
+                    logits = self.model(
+                        input_ids=torch.tensor([[token] + drafts], device=self.compute.device),
+                        past_key_values=cache,
+                        use_cache=True,
+                    ).logits
                     preds = logits[0].argmax(-1).tolist()
                 accepted = 0
                 while accepted < steps and drafts[accepted] == preds[accepted]:
@@ -142,7 +160,12 @@ class Engine:
                 histogram[accepted] += 1
                 with self.timed("draft_extend"):
                     _keep(cache, last + 1 + accepted + 1)
-                    h = self.draft.extend(capture.aux()[:, : accepted + 1], torch.tensor([new], device=self.compute.device), last + 1, dcache)
+                    h = self.draft.extend(
+                        capture.aux()[:, : accepted + 1],
+                        torch.tensor([new], device=self.compute.device),
+                        last + 1,
+                        dcache,
+                    )
                 last += accepted + 1
                 token = new[-1]
                 for t in new:  # stop at eos or the token budget, whichever the new tokens reach first
@@ -221,7 +244,9 @@ def make_handler(engine: Engine, worker: MainThreadWorker):
         if temperature not in (None, 0, 0.0):
             raise ValueError(f"temperature={temperature}: the reference engine decodes greedily only (temperature 0)")
         if stop_token_ids and set(stop_token_ids) != {engine.eos}:
-            raise ValueError(f"stop_token_ids={stop_token_ids}: the reference engine stops at its end token {engine.eos} only")
+            raise ValueError(
+                f"stop_token_ids={stop_token_ids}: the reference engine stops at its end token {engine.eos} only"
+            )
         out = []
         for prompt in prompts:
             started = time.perf_counter()
@@ -247,9 +272,18 @@ def make_handler(engine: Engine, worker: MainThreadWorker):
                 batch = batch[0]
         prompts, single = prompts_of(batch)
         sampling = request.get("sampling_params") or {}
-        runs = run(prompts, int(sampling.get("max_new_tokens", 128)), sampling.get("temperature"), sampling.get("stop_token_ids"))
+        runs = run(
+            prompts,
+            int(sampling.get("max_new_tokens", 128)),
+            sampling.get("temperature"),
+            sampling.get("stop_token_ids"),
+        )
         responses = [
-            {"text": engine.tokenizer.decode(result["output_ids"]), "output_ids": result["output_ids"], "meta_info": meta}
+            {
+                "text": engine.tokenizer.decode(result["output_ids"]),
+                "output_ids": result["output_ids"],
+                "meta_info": meta,
+            }
             for result, meta in runs
         ]
         return responses[0] if single else responses
@@ -261,17 +295,33 @@ def make_handler(engine: Engine, worker: MainThreadWorker):
         if not isinstance(prompt, list):
             raise ValueError("prompt: the reference engine takes token ids (a list of ints, or a list of such lists)")
         prompts, _ = prompts_of(prompt)
-        runs = run(prompts, int(request.get("max_tokens", 16)), request.get("temperature", 1.0), request.get("stop_token_ids"))
+        runs = run(
+            prompts, int(request.get("max_tokens", 16)), request.get("temperature", 1.0), request.get("stop_token_ids")
+        )
         choices = []
         for index, (prompt_ids, (result, meta)) in enumerate(zip(prompts, runs)):
-            choice = {"index": index, "text": engine.tokenizer.decode(result["output_ids"]), "logprobs": None,
-                      "finish_reason": result["finish_reason"]["type"], "matched_stop": result["finish_reason"].get("matched")}
+            choice = {
+                "index": index,
+                "text": engine.tokenizer.decode(result["output_ids"]),
+                "logprobs": None,
+                "finish_reason": result["finish_reason"]["type"],
+                "matched_stop": result["finish_reason"].get("matched"),
+            }
             if request.get("return_token_ids"):
                 choice |= {"token_ids": result["output_ids"], "prompt_token_ids": list(prompt_ids)}
             choices.append(choice)
-        usage = {"prompt_tokens": sum(m["prompt_tokens"] for _, m in runs), "completion_tokens": sum(m["completion_tokens"] for _, m in runs)}
-        return {"id": f"cmpl-{time.monotonic_ns()}", "object": "text_completion", "created": int(time.time()),
-                "model": MODEL_NAME, "choices": choices, "usage": usage | {"total_tokens": sum(usage.values())}}
+        usage = {
+            "prompt_tokens": sum(m["prompt_tokens"] for _, m in runs),
+            "completion_tokens": sum(m["completion_tokens"] for _, m in runs),
+        }
+        return {
+            "id": f"cmpl-{time.monotonic_ns()}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": MODEL_NAME,
+            "choices": choices,
+            "usage": usage | {"total_tokens": sum(usage.values())},
+        }
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -297,7 +347,9 @@ def make_handler(engine: Engine, worker: MainThreadWorker):
             elif self.path in ("/server_info", "/get_server_info"):
                 self._send(200, engine.server_info())
             elif self.path == "/v1/models":
-                self._send(200, {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "orchestrator"}]})
+                self._send(
+                    200, {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "orchestrator"}]}
+                )
             else:
                 self._send(404, {"error": f"unknown path {self.path}"})
 
@@ -331,17 +383,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--device", default="cpu", help="where the target computes, e.g. cuda:0, or cuda:0,cuda:1 to spread it; the draft takes the first")
-    parser.add_argument("--dtype", default="float32", choices=sorted(compute_mod.DTYPES), help="the target's dtype (the draft keeps its config's)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the target computes, e.g. cuda:0, or cuda:0,cuda:1 to spread it; the draft takes the first",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(compute_mod.DTYPES),
+        help="the target's dtype (the draft keeps its config's)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    compute = compute_mod.Compute(devices=tuple(torch.device(d) for d in args.device.split(",")), dtype=compute_mod.DTYPES[args.dtype])
+    compute = compute_mod.Compute(
+        devices=tuple(torch.device(d) for d in args.device.split(",")), dtype=compute_mod.DTYPES[args.dtype]
+    )
     engine = Engine(args.target, args.draft, args.num_steps, args.family, args.sglang_version, compute)
     worker = MainThreadWorker(engine)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(engine, worker))
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-    print(f"reference engine ready on http://{args.host}:{args.port} (draft={args.draft}, layers={engine.layers})", flush=True)
+    print(
+        f"reference engine ready on http://{args.host}:{args.port} (draft={args.draft}, layers={engine.layers})",
+        flush=True,
+    )
     worker.run_forever()
 
 

@@ -45,7 +45,9 @@ class ServingRefused(RuntimeError):
     """A draft or launch command that SGLang would reject, or worse, accept and serve wrongly."""
 
 
-def launch_command(cfg: RootConfig, target_path: str, draft_dir: str | None, port: int, host: str = "127.0.0.1") -> list[str]:
+def launch_command(
+    cfg: RootConfig, target_path: str, draft_dir: str | None, port: int, host: str = "127.0.0.1"
+) -> list[str]:
     """The argv that starts SGLang on `target_path`; with `draft_dir` EAGLE-3 speculative decoding, else the baseline."""
     s = cfg.serve
     check_speculative_args(s)
@@ -55,11 +57,16 @@ def launch_command(cfg: RootConfig, target_path: str, draft_dir: str | None, por
         # All three of steps/topk/draft-tokens or none: a partial set crashes at startup, and none lets
         # SGLang pick per-architecture defaults that the config would not record.
         argv += [
-            "--speculative-algorithm", ALGORITHM,
-            "--speculative-draft-model-path", str(draft_dir),
-            "--speculative-num-steps", str(s.num_steps),
-            "--speculative-eagle-topk", str(s.eagle_topk),
-            "--speculative-num-draft-tokens", str(s.num_draft_tokens),
+            "--speculative-algorithm",
+            ALGORITHM,
+            "--speculative-draft-model-path",
+            str(draft_dir),
+            "--speculative-num-steps",
+            str(s.num_steps),
+            "--speculative-eagle-topk",
+            str(s.eagle_topk),
+            "--speculative-num-draft-tokens",
+            str(s.num_draft_tokens),
         ]
     if s.tp_size > 1:
         argv += ["--tp-size", str(s.tp_size)]
@@ -184,7 +191,9 @@ def validate_with_sglang(python: str, argv: list[str], timeout: float = 120) -> 
             [python, "-c", parser_check_script(), *argv[3:]], capture_output=True, text=True, timeout=timeout
         )
     except FileNotFoundError:
-        raise ServingRefused(f"serve.python={python!r} does not exist; build it with scripts/make_sglang_env.sh") from None
+        raise ServingRefused(
+            f"serve.python={python!r} does not exist; build it with scripts/make_sglang_env.sh"
+        ) from None
     except subprocess.TimeoutExpired:
         raise ServingRefused(f"sglang's argument parser in {python} did not finish within {timeout:.0f} s") from None
     if done.returncode == 0:
@@ -195,7 +204,9 @@ def validate_with_sglang(python: str, argv: list[str], timeout: float = 120) -> 
             f"{python} cannot import sglang.srt.server_args; build the serving environment with "
             f"scripts/make_sglang_env.sh:\n{_tail(stderr)}"
         )
-    raise ServingRefused(f"sglang's parser in {python} rejects the launch command:\n{_tail(stderr)}\ncommand: {' '.join(argv)}")
+    raise ServingRefused(
+        f"sglang's parser in {python} rejects the launch command:\n{_tail(stderr)}\ncommand: {' '.join(argv)}"
+    )
 
 
 def sglang_available(python: str, timeout: float = 120) -> bool:

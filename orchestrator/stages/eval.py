@@ -32,7 +32,9 @@ def served_layers(cfg: RootConfig, draft_conf: dict[str, Any]) -> list[int]:
     """The canonical states the serving engine captures for the draft config's ids."""
     ids = draft_conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     t = cfg.target
-    return layer_contract.from_engine_ids(cfg.serve.engine, ids, t.num_hidden_layers, t.family, cfg.serve.sglang_version)
+    return layer_contract.from_engine_ids(
+        cfg.serve.engine, ids, t.num_hidden_layers, t.family, cfg.serve.sglang_version
+    )
 
 
 @torch.no_grad()
@@ -81,13 +83,19 @@ def text_accuracy(model, draft, served: list[int], seqs, steps: int, device: tor
     spread = sum(((d - gap * m) ** 2 for m, d in per_sequence), torch.zeros(steps, dtype=torch.float64))
     se = spread.sqrt() / n
     for k in range(steps):
-        out |= {f"acc_{k}": float(live_right[k] / n[k]), f"full_acc_{k}": float(live_chain[k] / n[k]),
-                f"trained_states_acc_{k}": float(ref_right[k] / n[k]), f"acc_gap_{k}": float(gap[k]),
-                f"acc_gap_se_{k}": float(se[k])}
+        out |= {
+            f"acc_{k}": float(live_right[k] / n[k]),
+            f"full_acc_{k}": float(live_chain[k] / n[k]),
+            f"trained_states_acc_{k}": float(ref_right[k] / n[k]),
+            f"acc_gap_{k}": float(gap[k]),
+            f"acc_gap_se_{k}": float(se[k]),
+        }
     return out
 
 
-def simulate_cycles(draft_tokens: list[list[int]], sequence: list[int], prompt_len: int, steps: int, max_new: int) -> tuple[int, int, list[int]]:
+def simulate_cycles(
+    draft_tokens: list[list[int]], sequence: list[int], prompt_len: int, steps: int, max_new: int
+) -> tuple[int, int, list[int]]:
     """(completion tokens, verify passes, accepted-count histogram) of a chain-drafting server on `sequence`.
 
     `draft_tokens[k][c]` is the draft's k-th token from last committed position c; the target's greedy
@@ -100,7 +108,11 @@ def simulate_cycles(draft_tokens: list[list[int]], sequence: list[int], prompt_l
     c = prompt_len - 1  # last position whose target state is committed; token c+1 is known
     while completion < min(max_new, generated):
         accepted = 0
-        while accepted < steps and c + accepted + 2 < len(sequence) and draft_tokens[accepted][c] == sequence[c + accepted + 2]:
+        while (
+            accepted < steps
+            and c + accepted + 2 < len(sequence)
+            and draft_tokens[accepted][c] == sequence[c + accepted + 2]
+        ):
             accepted += 1
         verify += 1
         histogram[accepted] += 1
@@ -110,22 +122,32 @@ def simulate_cycles(draft_tokens: list[list[int]], sequence: list[int], prompt_l
 
 
 @torch.no_grad()
-def greedy_accept_length(model, tokenizer, draft, layers: list[int], prompts: list[list[int]], steps: int, max_new: int,
-                         device: torch.device) -> dict[str, Any]:
+def greedy_accept_length(
+    model, tokenizer, draft, layers: list[int], prompts: list[list[int]], steps: int, max_new: int, device: torch.device
+) -> dict[str, Any]:
     completion_total = verify_total = 0
     histogram = [0] * (steps + 1)
     eos = tokenizer.eos_token_id
     with HiddenStateCapture(model, layers) as capture:
         for prompt in prompts:
             ids = torch.tensor([prompt], device=device)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
             sequence = out[0].tolist()
             capture.clear()
             full = torch.tensor([sequence], device=device)
             model(input_ids=full, use_cache=False)
             aux = capture.aux().to(device)
             length = full.shape[1]
-            unrolled = draft.unroll(aux[:, :-1], full[:, 1:], torch.ones(1, length - 1, dtype=torch.bool, device=device), steps)
+            unrolled = draft.unroll(
+                aux[:, :-1], full[:, 1:], torch.ones(1, length - 1, dtype=torch.bool, device=device), steps
+            )
             tokens = [u[0].tolist() for u in unrolled.tokens]
             completion, verify, hist = simulate_cycles(tokens, sequence, len(prompt), steps, max_new)
             completion_total += completion
@@ -195,8 +217,13 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     steps = cfg.eval.draft_steps
     trained_steps = prov.get("trained_ttt_steps", steps)
     flags: list[str] = []
-    result: dict[str, Any] = {"served_layers": layers, "trained_layers": prov.get("aux_layers"), "draft_steps": steps,
-                              "draft_dtype": str(draft.fc.weight.dtype).removeprefix("torch."), "compute": compute.describe()}
+    result: dict[str, Any] = {
+        "served_layers": layers,
+        "trained_layers": prov.get("aux_layers"),
+        "draft_steps": steps,
+        "draft_dtype": str(draft.fc.weight.dtype).removeprefix("torch."),
+        "compute": compute.describe(),
+    }
     if len(layers) != draft.shape.num_aux_layers:
         # Nothing can be measured: the draft cannot consume what serving captures. No accuracy is reported.
         flags.append(
@@ -211,9 +238,15 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         acc = text_accuracy(model, draft, layers, val_seqs, positions, compute.device)
         _, val_convs = conversations(cfg.data, cfg.seed)
         prompts = [prompt_ids(tokenizer, c, cfg.data.max_seq_len) for c in val_convs[: cfg.eval.prompts]]
-        greedy = greedy_accept_length(model, tokenizer, draft, layers, prompts, steps, cfg.eval.max_new_tokens, compute.device)
+        greedy = greedy_accept_length(
+            model, tokenizer, draft, layers, prompts, steps, cfg.eval.max_new_tokens, compute.device
+        )
         val = prov.get("val_metrics", {})
-        result |= acc | greedy | {"sequences": len(val_seqs), "train_val_acc": [val.get(f"acc_{k}") for k in range(positions)]}
+        result |= (
+            acc
+            | greedy
+            | {"sequences": len(val_seqs), "train_val_acc": [val.get(f"acc_{k}") for k in range(positions)]}
+        )
         significant, noise = significant_gaps(acc, positions, cfg.eval.acc_tolerance)
         worst = max(significant, key=significant.get) if significant else None
         if worst is not None:
@@ -230,9 +263,14 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         if steps > trained_steps:
             flags.append(f"eval: eval.draft_steps={steps} exceeds the draft's trained TTT depth {trained_steps}")
         result |= {"mismatch": bool(flags), "mismatch_flags": flags}
-    result["headline"] = {k: result[k] for k in ("acc_0", "trained_states_acc_0", "expected_accept_length", "mismatch") if k in result}
+    result["headline"] = {
+        k: result[k] for k in ("acc_0", "trained_states_acc_0", "expected_accept_length", "mismatch") if k in result
+    }
     tracker.stage_result("eval", result)
-    tracker.tags({"eval.mismatch": str(result["mismatch"]).lower()} | ({"eval.mismatch_flags": " | ".join(flags)} if flags else {}))
+    tracker.tags(
+        {"eval.mismatch": str(result["mismatch"]).lower()}
+        | ({"eval.mismatch_flags": " | ".join(flags)} if flags else {})
+    )
     write_json(out / "eval.json", result)
     write_manifest(out, {"stage": "eval", "key": plan.stage_keys["eval"], "result": result})
     for flag in flags:

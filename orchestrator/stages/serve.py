@@ -43,13 +43,16 @@ def served_draft_dir(cfg: RootConfig, plan) -> Path:
 def _ids_as_written(cfg: RootConfig, layers: list[int]) -> list[int]:
     t = cfg.target
     try:
-        return layer_contract.to_engine_ids(cfg.serve.engine, layers, t.num_hidden_layers, t.family, cfg.serve.sglang_version)
+        return layer_contract.to_engine_ids(
+            cfg.serve.engine, layers, t.num_hidden_layers, t.family, cfg.serve.sglang_version
+        )
     except layer_contract.LayerContractError:
         return layers  # written as-is, as a pipeline without the contract would
 
 
-def run_server(cfg: RootConfig, mode: str, target: Path, draft: Path | None, prompts: list[list[int]], out: Path,
-               compute: Compute) -> dict[str, Any]:
+def run_server(
+    cfg: RootConfig, mode: str, target: Path, draft: Path | None, prompts: list[list[int]], out: Path, compute: Compute
+) -> dict[str, Any]:
     s = cfg.serve
     port = client.free_port()
     command = server_command(cfg, target, draft, port, compute)
@@ -67,9 +70,13 @@ def run_server(cfg: RootConfig, mode: str, target: Path, draft: Path | None, pro
 
 def _median_pass(server, prompts: list[list[int]], concurrency: int, s) -> dict[str, Any]:
     """`serve.repeats` passes over the prompt set; the median pass by tok/s, with every pass's tok/s."""
-    passes = [client.benchmark(server, prompts, s.max_new_tokens, concurrency, s.request_timeout_s) for _ in range(s.repeats)]
+    passes = [
+        client.benchmark(server, prompts, s.max_new_tokens, concurrency, s.request_timeout_s) for _ in range(s.repeats)
+    ]
     if any(p["output_ids"] != passes[0]["output_ids"] for p in passes):
-        raise server.fail(f"greedy outputs differ between passes at concurrency {concurrency}: the server is not deterministic")
+        raise server.fail(
+            f"greedy outputs differ between passes at concurrency {concurrency}: the server is not deterministic"
+        )
     median = sorted(passes, key=lambda p: p["output_tok_s"])[len(passes) // 2]
     return median | {"output_tok_s_passes": [p["output_tok_s"] for p in passes]}
 
@@ -109,29 +116,37 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     for base, spec in zip(servers["baseline"]["runs"], servers["speculative"]["runs"]):
         same = base["output_ids"] == spec["output_ids"]
         identical &= same
-        per_concurrency.append({
-            "concurrency": base["concurrency"],
-            "baseline_tok_s": base["output_tok_s"],
-            "spec_tok_s": spec["output_tok_s"],
-            "speedup": spec["output_tok_s"] / base["output_tok_s"],
-            "baseline_tok_s_passes": base["output_tok_s_passes"],
-            "spec_tok_s_passes": spec["output_tok_s_passes"],
-            "accept_length": spec["accept_length"],
-            "baseline_latency_mean_s": base["latency_mean_s"],
-            "spec_latency_mean_s": spec["latency_mean_s"],
-            "greedy_outputs_identical": same,
-        })
+        per_concurrency.append(
+            {
+                "concurrency": base["concurrency"],
+                "baseline_tok_s": base["output_tok_s"],
+                "spec_tok_s": spec["output_tok_s"],
+                "speedup": spec["output_tok_s"] / base["output_tok_s"],
+                "baseline_tok_s_passes": base["output_tok_s_passes"],
+                "spec_tok_s_passes": spec["output_tok_s_passes"],
+                "accept_length": spec["accept_length"],
+                "baseline_latency_mean_s": base["latency_mean_s"],
+                "spec_latency_mean_s": spec["latency_mean_s"],
+                "greedy_outputs_identical": same,
+            }
+        )
     head = per_concurrency[0]
     if not identical:
         flags.append("serve: greedy outputs with and without speculation differ: verification is not exact")
     state = servers["speculative"]["server_info"]["internal_states"][0]
     histogram = state.get("spec_accept_histogram")
     result: dict[str, Any] = {k: head[k] for k in ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length")}
-    result |= {"greedy_outputs_identical": identical, "per_concurrency": per_concurrency, "eagle_aux_hidden_state_layer_ids": ids,
-               "compute": compute.describe()}
+    result |= {
+        "greedy_outputs_identical": identical,
+        "per_concurrency": per_concurrency,
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "compute": compute.describe(),
+    }
     if histogram:
         reached = [sum(histogram[j:]) for j in range(len(histogram))]
-        result["accept_rate_by_position"] = [reached[k + 1] / reached[k] if reached[k] else 0.0 for k in range(len(histogram) - 1)]
+        result["accept_rate_by_position"] = [
+            reached[k + 1] / reached[k] if reached[k] else 0.0 for k in range(len(histogram) - 1)
+        ]
         result["accept_histogram"] = histogram
     # The serve cycle's profile, where the engine reports one (the reference engine's phases, mean ms each).
     for mode in ("baseline", "speculative"):
@@ -152,11 +167,28 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
                 )
     result["mismatch"] = bool(flags)
     result["mismatch_flags"] = flags
-    result["headline"] = {k: result.get(k) for k in ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length", "eval_expected_accept_length", "greedy_outputs_identical")}
+    result["headline"] = {
+        k: result.get(k)
+        for k in (
+            "baseline_tok_s",
+            "spec_tok_s",
+            "speedup",
+            "accept_length",
+            "eval_expected_accept_length",
+            "greedy_outputs_identical",
+        )
+    }
 
     tracker.stage_result("serve", result)
     tracker.tags({"serve.mismatch": str(result["mismatch"]).lower()})
-    detail = {"result": result, "servers": {m: {k: v for k, v in srv.items() if k != "runs"} | {"runs": [{k: v for k, v in r.items() if k != "output_ids"} for r in srv["runs"]]} for m, srv in servers.items()}}
+    detail = {
+        "result": result,
+        "servers": {
+            m: {k: v for k, v in srv.items() if k != "runs"}
+            | {"runs": [{k: v for k, v in r.items() if k != "output_ids"} for r in srv["runs"]]}
+            for m, srv in servers.items()
+        },
+    }
     write_json(out / "serve.json", detail)
     write_manifest(out, {"stage": "serve", "key": plan.stage_keys["serve"], "result": result})
     for flag in flags:

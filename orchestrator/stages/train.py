@@ -40,7 +40,9 @@ class Sequence:
     teacher: torch.Tensor  # [L, Ht]
 
 
-def load_split(folder: Path, manifest: dict[str, Any], split: str, layers: list[int] | None = None, verify: bool = True) -> ShardedSplit:
+def load_split(
+    folder: Path, manifest: dict[str, Any], split: str, layers: list[int] | None = None, verify: bool = True
+) -> ShardedSplit:
     """Sequences of one split, each shard checked against the manifest's size and checksum; with `layers`,
     only those aux states (a subset of what was extracted), in that order. Read lazily: see `ShardedSplit`."""
     hidden = manifest["hidden_size"]
@@ -51,9 +53,13 @@ def load_split(folder: Path, manifest: dict[str, Any], split: str, layers: list[
     for record in manifest["splits"][split]["shards"]:
         path = Path(folder) / record["file"]
         if not path.exists() or path.stat().st_size != record["bytes"]:
-            raise ArtifactError(f"{path}: missing or of the wrong size (manifest says {record['bytes']} bytes); re-run extraction")
+            raise ArtifactError(
+                f"{path}: missing or of the wrong size (manifest says {record['bytes']} bytes); re-run extraction"
+            )
         if verify and file_sha256(path) != record["sha256"]:
-            raise ArtifactError(f"{path}: checksum differs from the extraction manifest; the shard is corrupt, re-run extraction")
+            raise ArtifactError(
+                f"{path}: checksum differs from the extraction manifest; the shard is corrupt, re-run extraction"
+            )
         with safe_open(str(path), framework="pt") as f:
             seq_lens.append(f.get_tensor("seq_lens").long())
         paths.append(path)
@@ -65,10 +71,14 @@ class ShardedSplit:
     offsets and at most `open_shards` open shard files, whatever the data set's size. Indexing by an int gives a
     `Sequence`, by a slice a list of them."""
 
-    def __init__(self, paths: list[Path], seq_lens: list[torch.Tensor], columns: torch.Tensor | None, open_shards: int = 4):
+    def __init__(
+        self, paths: list[Path], seq_lens: list[torch.Tensor], columns: torch.Tensor | None, open_shards: int = 4
+    ):
         self.paths, self.columns, self.open_shards = paths, columns, open_shards
         none = torch.zeros(0, dtype=torch.long)
-        self.shard = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor([len(n) for n in seq_lens], dtype=torch.long))
+        self.shard = torch.repeat_interleave(
+            torch.arange(len(seq_lens)), torch.tensor([len(n) for n in seq_lens], dtype=torch.long)
+        )
         self.end = torch.cat([*(n.cumsum(0) for n in seq_lens), none])
         self.start = self.end - torch.cat([*seq_lens, none])
         self._handles: OrderedDict[int, Any] = OrderedDict()
@@ -87,7 +97,12 @@ class ShardedSplit:
         aux = f.get_slice("aux_hidden_states")[a:b]
         if self.columns is not None:
             aux = aux[:, self.columns]
-        return Sequence(f.get_slice("input_ids")[a:b].long(), f.get_slice("loss_mask")[a:b].bool(), aux, f.get_slice("teacher_hidden_state")[a:b])
+        return Sequence(
+            f.get_slice("input_ids")[a:b].long(),
+            f.get_slice("loss_mask")[a:b].bool(),
+            aux,
+            f.get_slice("teacher_hidden_state")[a:b],
+        )
 
     def __iter__(self) -> Iterator[Sequence]:
         return (self[i] for i in range(len(self)))
@@ -111,7 +126,9 @@ class Batch:
     teacher: torch.Tensor  # [B, L, Ht] float32
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch(*(t.to(device, non_blocking=True) for t in (self.ids, self.loss_mask, self.lengths, self.aux, self.teacher)))
+        return Batch(
+            *(t.to(device, non_blocking=True) for t in (self.ids, self.loss_mask, self.lengths, self.aux, self.teacher))
+        )
 
 
 def collate(seqs: list[Sequence]) -> Batch:
@@ -153,7 +170,10 @@ class TeacherHead(torch.nn.Module):
                 best_value, best_id = value, index
             else:  # strictly greater: on a tie the lower id wins, as one argmax over the vocabulary would have it
                 better = value > best_value
-                best_value, best_id = torch.where(better, value, best_value), torch.where(better, index + start, best_id)
+                best_value, best_id = (
+                    torch.where(better, value, best_value),
+                    torch.where(better, index + start, best_id),
+                )
         return kept_logits, best_id
 
 
@@ -193,8 +213,16 @@ def counts_dict(counts: torch.Tensor) -> dict[str, list[float]]:
     return dict(zip(COUNT_ROWS, counts.tolist()))
 
 
-def ttt_forward(draft: Eagle3Draft, head: TeacherHead, batch: Batch, steps: int, kept: torch.Tensor, weights: list[float],
-                own_tokens: bool = False, denominators: torch.Tensor | None = None):
+def ttt_forward(
+    draft: Eagle3Draft,
+    head: TeacherHead,
+    batch: Batch,
+    steps: int,
+    kept: torch.Tensor,
+    weights: list[float],
+    own_tokens: bool = False,
+    denominators: torch.Tensor | None = None,
+):
     """Loss and per-step counts of one batch: steps k >= 1 consume the text's tokens (teacher forcing, for
     training) or, with `own_tokens`, the draft's own previous tokens as a serving engine does (validation).
 
@@ -230,7 +258,9 @@ def ttt_forward(draft: Eagle3Draft, head: TeacherHead, batch: Batch, steps: int,
         loss = loss + weights[k] * masked / denom
         right = d_tokens == t_best
         chain_ok = right if chain_ok is None else chain_ok & right
-        counts[:, k] = torch.stack([x.to(counts.dtype) for x in ((right & mask).sum(), (chain_ok & mask).sum(), mask.sum(), masked.detach())])
+        counts[:, k] = torch.stack(
+            [x.to(counts.dtype) for x in ((right & mask).sum(), (chain_ok & mask).sum(), mask.sum(), masked.detach())]
+        )
 
     draft.unroll(batch.aux[:, :-1], batch.ids[:, 1:], valid, steps, token_source=source, on_step=step_loss)
     return loss, counts
@@ -294,14 +324,31 @@ class TrainStep(torch.nn.Module):
         super().__init__()
         self.draft = draft
 
-    def forward(self, head: TeacherHead, batch: Batch, steps: int, kept: torch.Tensor, weights: list[float],
-                denominators: torch.Tensor):
+    def forward(
+        self,
+        head: TeacherHead,
+        batch: Batch,
+        steps: int,
+        kept: torch.Tensor,
+        weights: list[float],
+        denominators: torch.Tensor,
+    ):
         return ttt_forward(self.draft, head, batch, steps, kept, weights, denominators=denominators)
 
 
-def optimizer_step(model: torch.nn.Module, head: TeacherHead, batch: Batch, steps: int, kept: torch.Tensor,
-                   weights: list[float], denominators: torch.Tensor, optim: torch.optim.Optimizer,
-                   params: list[torch.nn.Parameter], grad_clip: float, bf16: bool):
+def optimizer_step(
+    model: torch.nn.Module,
+    head: TeacherHead,
+    batch: Batch,
+    steps: int,
+    kept: torch.Tensor,
+    weights: list[float],
+    denominators: torch.Tensor,
+    optim: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    grad_clip: float,
+    bf16: bool,
+):
     """One training step of `model` (a `TrainStep`, DDP-wrapped or not): loss under bf16 autocast when asked (the
     weights and the optimizer stay float32), backward, gradient clipping, the optimizer's update. The train stage
     and `scripts/bench_train_gpu.py` both run it."""
@@ -322,22 +369,36 @@ def rank_share(indices: list[int], compute: Compute) -> tuple[list[int], bool]:
     return (share, True) if share else (indices[:1], False)
 
 
-def build_draft(cfg: RootConfig, target_path: Path, extract_dir: Path, manifest: dict) -> tuple[Eagle3Draft, TeacherHead]:
+def build_draft(
+    cfg: RootConfig, target_path: Path, extract_dir: Path, manifest: dict
+) -> tuple[Eagle3Draft, TeacherHead]:
     tconf = target_config_json(target_path)
     # The draft uses the target's rope, scaling included (as SGLang's EAGLE-3 drafts for Kimi do), read in either
     # spelling; the export writes the same rope into the draft config and records it in provenance.
     rope = draft_rope.config_keys(draft_rope.read(tconf, f"{target_path}/config.json"))
     d = cfg.draft
     shape = default_shape(
-        cfg.target.hidden_size, cfg.target.vocab_size, len(cfg.train.layers), d.hidden_size, d.num_attention_heads,
-        d.num_key_value_heads, d.head_dim, d.intermediate_size, d.draft_vocab_size, d.rms_norm_eps,
-        rope["rope_theta"], d.max_position_embeddings or cfg.target.max_position_embeddings, rope.get("rope_scaling"),
+        cfg.target.hidden_size,
+        cfg.target.vocab_size,
+        len(cfg.train.layers),
+        d.hidden_size,
+        d.num_attention_heads,
+        d.num_key_value_heads,
+        d.head_dim,
+        d.intermediate_size,
+        d.draft_vocab_size,
+        d.rms_norm_eps,
+        rope["rope_theta"],
+        d.max_position_embeddings or cfg.target.max_position_embeddings,
+        rope.get("rope_scaling"),
     )
     torch.manual_seed(cfg.train.seed)
     draft = Eagle3Draft(shape)
     tensors = load_head_tensors(target_path)
     if shape.hidden_size != cfg.target.hidden_size:
-        raise ValueError(f"draft.hidden_size={shape.hidden_size}: the draft shares the target's embedding, so it must equal target.hidden_size={cfg.target.hidden_size}")
+        raise ValueError(
+            f"draft.hidden_size={shape.hidden_size}: the draft shares the target's embedding, so it must equal target.hidden_size={cfg.target.hidden_size}"
+        )
     draft.embed_tokens.weight.data.copy_(tensors["embed"])
     with safe_open(str(extract_dir / manifest["token_freq"]), framework="pt") as f:
         counts = f.get_tensor("counts")
@@ -399,14 +460,22 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     def save_checkpoint() -> None:
         if compute.is_main:
             with atomic_path(ckpt_path) as tmp:
-                torch.save({"model": draft.state_dict(), "optim": optim.state_dict(), "step": step, "history": history}, tmp)
+                torch.save(
+                    {"model": draft.state_dict(), "optim": optim.state_dict(), "step": step, "history": history}, tmp
+                )
 
     def validate() -> dict[str, float]:
         return evaluate(draft, head, val_seqs, steps, kept, weights, tc.batch_size, draft_steps, compute)
 
     draft.train()
     tokens, window_started = 0, time.time()
-    bar = tqdm(total=total, initial=step, desc="train" + (f" (rank {compute.rank}/{compute.world_size})" if compute.distributed else ""), unit="step")
+    bar = tqdm(
+        total=total,
+        initial=step,
+        desc="train" + (f" (rank {compute.rank}/{compute.world_size})" if compute.distributed else ""),
+        unit="step",
+    )
+
     def load_batch(at: int) -> tuple[Batch, bool]:
         share, counts = rank_share(batches_for_step(len(train_seqs), tc.batch_size, tc.seed, at), compute)
         batch = collate([train_seqs[i] for i in share])
@@ -424,20 +493,33 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         denominators = compute.all_reduce_sum(step_counts(host_batch, steps)).clamp(min=1) / compute.world_size
         for group in optim.param_groups:
             group["lr"] = lr_at(step, total, tc)
-        loss, stats = optimizer_step(model, head, batch, steps, kept, weights, denominators.to(compute.device), optim,
-                                     params, tc.grad_clip, bf16)
+        loss, stats = optimizer_step(
+            model, head, batch, steps, kept, weights, denominators.to(compute.device), optim, params, tc.grad_clip, bf16
+        )
         step += 1
         tokens += int(host_batch.lengths.sum()) if counts else 0
         bar.update(1)
         if step % tc.log_every == 0 or step == total:
             # the step's loss and teacher-forced counts, and the window's tokens, summed over ranks: the global batch's
-            summed = compute.all_reduce_sum(torch.cat([
-                torch.tensor([float(loss.detach()) / compute.world_size, tokens], dtype=torch.float64), stats.cpu().flatten()]))
+            summed = compute.all_reduce_sum(
+                torch.cat(
+                    [
+                        torch.tensor([float(loss.detach()) / compute.world_size, tokens], dtype=torch.float64),
+                        stats.cpu().flatten(),
+                    ]
+                )
+            )
             elapsed = time.time() - window_started
             last = counts_dict(summed[2:].view(len(COUNT_ROWS), steps))
             teacher_forced = summarize([last], steps, draft_steps)
             if compute.is_main:
-                tracker.train_step(step, float(summed[0]), optim.param_groups[0]["lr"], float(summed[1]) / max(elapsed, 1e-9), teacher_forced)
+                tracker.train_step(
+                    step,
+                    float(summed[0]),
+                    optim.param_groups[0]["lr"],
+                    float(summed[1]) / max(elapsed, 1e-9),
+                    teacher_forced,
+                )
             bar.set_postfix(loss=f"{float(summed[0]):.3f}", acc0=f"{teacher_forced['acc_0']:.2f}")
             tokens, window_started = 0, time.time()
         if step % tc.val_every == 0 or step == total:
@@ -461,21 +543,34 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     write_json(out / "metrics.json", {"history": history, "final": final})
     plot = plot_accuracy(final, steps, out / "accuracy_by_position.png")
     tracker.artifact(plot, "train")
-    write_manifest(out, {"stage": "train", "key": plan.stage_keys["train"], "extract_key": manifest["key"], "result": result})
+    write_manifest(
+        out, {"stage": "train", "key": plan.stage_keys["train"], "extract_key": manifest["key"], "result": result}
+    )
     return result
 
 
-def export_draft(cfg: RootConfig, plan, draft: Eagle3Draft, manifest: dict, target_path: Path, final: dict, steps: int) -> dict[str, Any]:
+def export_draft(
+    cfg: RootConfig, plan, draft: Eagle3Draft, manifest: dict, target_path: Path, final: dict, steps: int
+) -> dict[str, Any]:
     t, s = cfg.target, cfg.serve
     ids = layer_contract.to_engine_ids(s.engine, cfg.train.layers, t.num_hidden_layers, t.family, s.sglang_version)
     tconf = target_config_json(target_path)
     conf = draft_export.draft_config(
-        draft.shape, ids, cfg.draft.torch_dtype, tconf, cfg.draft.max_position_embeddings or tconf.get("max_position_embeddings", t.max_position_embeddings)
+        draft.shape,
+        ids,
+        cfg.draft.torch_dtype,
+        tconf,
+        cfg.draft.max_position_embeddings or tconf.get("max_position_embeddings", t.max_position_embeddings),
     )
     provenance = {
         "aux_layers": list(cfg.train.layers),
         "trained_ttt_steps": steps,
-        "serving": {"engine": s.engine, "family": t.family, "sglang_version": s.sglang_version, "eagle_aux_hidden_state_layer_ids": ids},
+        "serving": {
+            "engine": s.engine,
+            "family": t.family,
+            "sglang_version": s.sglang_version,
+            "eagle_aux_hidden_state_layer_ids": ids,
+        },
         "target": manifest["target"],
         "tokenizer_hash": manifest["tokenizer_hash"],
         "teacher": manifest["teacher"],
@@ -488,7 +583,9 @@ def export_draft(cfg: RootConfig, plan, draft: Eagle3Draft, manifest: dict, targ
     }
     draft_dir = plan.dir("train") / "draft"
     draft_export.export(draft, draft_dir, conf, provenance, tconf)
-    result = {"draft_dir": str(draft_dir), "eagle_aux_hidden_state_layer_ids": ids} | {f"val_{k}": v for k, v in final.items()}
+    result = {"draft_dir": str(draft_dir), "eagle_aux_hidden_state_layer_ids": ids} | {
+        f"val_{k}": v for k, v in final.items()
+    }
     result["headline"] = {k: final[k] for k in ("acc_0", "acc_1", "acc_2", "expected_accept_length") if k in final}
     return result
 

@@ -168,7 +168,11 @@ def _save_wrapped(model, wrapper: wrappers.Wrapper, out: Path) -> None:
     ids = {k: text_config.get(k) for k in ("pad_token_id", "eos_token_id", "bos_token_id")}
     config = wrappers.wrapper_config(wrapper, text_config, dtype=text_config.get("dtype"), **ids)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(wrappers.wrapped_state_dict(wrapper, model.state_dict()), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        wrappers.wrapped_state_dict(wrapper, model.state_dict()),
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     model.generation_config.save_pretrained(str(out))
 
 

@@ -103,9 +103,7 @@ def file_conversations(rel_path: str, text: str, rng: random.Random) -> list[Con
     return convs
 
 
-def stdlib_conversations(
-    seed: int, max_files: int | None = None
-) -> tuple[list[Conversation], list[Conversation]]:
+def stdlib_conversations(seed: int, max_files: int | None = None) -> tuple[list[Conversation], list[Conversation]]:
     """(train, heldout) conversations over the stdlib sources, deterministic given ``seed``.
 
     ``max_files`` keeps a seeded sample of that many files (at least one heldout), for fast tests.

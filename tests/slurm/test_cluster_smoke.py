@@ -29,9 +29,7 @@ def _slurm_available() -> tuple[bool, str]:
     if shutil.which("sinfo") is None:
         return False, "sinfo is not on PATH"
     try:
-        proc = subprocess.run(
-            ["sinfo", "-h", "-o", "%P %a"], capture_output=True, text=True, timeout=15
-        )
+        proc = subprocess.run(["sinfo", "-h", "-o", "%P %a"], capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, f"sinfo failed: {exc}"
     if proc.returncode != 0 or not proc.stdout.strip():

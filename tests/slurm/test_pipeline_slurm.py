@@ -24,17 +24,34 @@ if not os.environ.get("SLURM_CONF") or shutil.which("sbatch") is None:
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import FAST  # noqa: E402
 
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 SLURM_FAST = [o for o in FAST if not o.startswith("train.max_steps")] + [
     "cluster=slurm",
-    "extract.resources.cpus_per_task=1", "train.resources.cpus_per_task=1",
-    "eval.resources.cpus_per_task=1", "serve.resources.cpus_per_task=1",
-    "extract.resources.mem_gb=2", "train.resources.mem_gb=2", "eval.resources.mem_gb=2", "serve.resources.mem_gb=2",
+    "extract.resources.cpus_per_task=1",
+    "train.resources.cpus_per_task=1",
+    "eval.resources.cpus_per_task=1",
+    "serve.resources.cpus_per_task=1",
+    "extract.resources.mem_gb=2",
+    "train.resources.mem_gb=2",
+    "eval.resources.mem_gb=2",
+    "serve.resources.mem_gb=2",
 ]
 
 
 def sacct_states(job_ids: list[str]) -> dict[str, str]:
-    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)], capture_output=True, text=True
+    ).stdout
     states = {}
     for line in out.splitlines():
         job, _, state = line.partition("|")
@@ -54,7 +71,9 @@ def wait_terminal(job_ids: list[str], timeout: float = 900) -> dict[str, str]:
 
 def cli(outputs: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(outputs)}
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 @pytest.fixture
@@ -68,7 +87,9 @@ def slurm_outputs(outputs, tmp_path):
 
 
 def test_pipeline_runs_as_four_dependent_jobs(slurm_outputs):
-    proc = cli(slurm_outputs, "+experiment=tiny_eagle3", *SLURM_FAST, "train.max_steps=12", "cluster.wait=true", timeout=1200)
+    proc = cli(
+        slurm_outputs, "+experiment=tiny_eagle3", *SLURM_FAST, "train.max_steps=12", "cluster.wait=true", timeout=1200
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary_path = next(slurm_outputs.rglob("summary.json"))
     summary = json.loads(summary_path.read_text())
@@ -81,7 +102,11 @@ def test_pipeline_runs_as_four_dependent_jobs(slurm_outputs):
 
     # The same experiment run locally, from scratch in its own outputs folder, gives the same summary.
     local_outputs = slurm_outputs.parent / "local_outputs"
-    shutil.copytree(slurm_outputs / "cache" / "targets", local_outputs / "cache" / "targets", ignore=shutil.ignore_patterns("*.lock"))
+    shutil.copytree(
+        slurm_outputs / "cache" / "targets",
+        local_outputs / "cache" / "targets",
+        ignore=shutil.ignore_patterns("*.lock"),
+    )
     local_args = [a if a != "cluster=slurm" else "cluster=local" for a in SLURM_FAST]
     proc = cli(local_outputs, "+experiment=tiny_eagle3", *local_args, "train.max_steps=12", timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -97,12 +122,19 @@ def assert_same_summary(slurm: dict, local: dict) -> None:
     assert a["extract"]["tokens"] == b["extract"]["tokens"]
     assert a["extract"]["bytes_per_token"] == b["extract"]["bytes_per_token"]
     assert a["train"]["eagle_aux_hidden_state_layer_ids"] == b["train"]["eagle_aux_hidden_state_layer_ids"]
-    close = {"train": ["val_acc_0", "val_acc_1", "val_acc_2", "val_expected_accept_length"],
-             "eval": ["acc_0", "acc_1", "acc_2", "expected_accept_length"],
-             "serve": ["accept_length", "eval_expected_accept_length"]}
+    close = {
+        "train": ["val_acc_0", "val_acc_1", "val_acc_2", "val_expected_accept_length"],
+        "eval": ["acc_0", "acc_1", "acc_2", "expected_accept_length"],
+        "serve": ["accept_length", "eval_expected_accept_length"],
+    }
     for stage, keys in close.items():
         for key in keys:
-            assert abs(a[stage][key] - b[stage][key]) <= 0.01 * max(1.0, abs(b[stage][key])), (stage, key, a[stage][key], b[stage][key])
+            assert abs(a[stage][key] - b[stage][key]) <= 0.01 * max(1.0, abs(b[stage][key])), (
+                stage,
+                key,
+                a[stage][key],
+                b[stage][key],
+            )
     assert a["train"]["val_loss"] == pytest.approx(b["train"]["val_loss"], rel=1e-3)
     assert a["eval"]["served_layers"] == b["eval"]["served_layers"]
     assert a["serve"]["greedy_outputs_identical"] is b["serve"]["greedy_outputs_identical"] is True
@@ -112,7 +144,14 @@ def assert_same_summary(slurm: dict, local: dict) -> None:
 
 
 def test_sweep_fans_out_then_is_cached_and_a_failing_point_is_isolated(slurm_outputs):
-    sweep = ["-m", "+experiment=tiny_eagle3", *SLURM_FAST, "train.max_steps=12", "stages=[extract,train]", "aux_layers=[1,4,6],[0,3,6],[2,4,5]"]
+    sweep = [
+        "-m",
+        "+experiment=tiny_eagle3",
+        *SLURM_FAST,
+        "train.max_steps=12",
+        "stages=[extract,train]",
+        "aux_layers=[1,4,6],[0,3,6],[2,4,5]",
+    ]
     started = time.monotonic()
     proc = cli(slurm_outputs, *sweep)
     submit_seconds = time.monotonic() - started
@@ -146,10 +185,21 @@ def test_sweep_fans_out_then_is_cached_and_a_failing_point_is_isolated(slurm_out
     assert again.stdout.count("cached:") == 6, again.stdout
 
     # One point fails at run time (its target folder does not exist on the "cluster"); the others are untouched.
-    failing = cli(slurm_outputs, "-m", "+experiment=tiny_eagle3", *SLURM_FAST, "train.max_steps=12", "aux_layers=[1,4,6]",
-                  "target.path=/nonexistent/model,null", "stages=[extract,train,eval,serve]")
+    failing = cli(
+        slurm_outputs,
+        "-m",
+        "+experiment=tiny_eagle3",
+        *SLURM_FAST,
+        "train.max_steps=12",
+        "aux_layers=[1,4,6]",
+        "target.path=/nonexistent/model,null",
+        "stages=[extract,train,eval,serve]",
+    )
     assert failing.returncode == 0, failing.stderr[-3000:]
-    newest = [json.loads(p.read_text()) for p in sorted(slurm_outputs.rglob("jobs.json"), key=lambda p: p.stat().st_mtime)[-2:]]
+    newest = [
+        json.loads(p.read_text())
+        for p in sorted(slurm_outputs.rglob("jobs.json"), key=lambda p: p.stat().st_mtime)[-2:]
+    ]
     chain = next(r for r in newest if "extract" in r)
     healthy = next(r for r in newest if "extract" not in r)  # extract and train cached from the first sweep
     assert set(healthy) == {"eval", "serve"}
@@ -167,7 +217,12 @@ def requeued_training(slurm_outputs: Path, *extra: str) -> tuple[str, Path, Path
     common = ["+experiment=tiny_eagle3", *SLURM_FAST]
     proc = cli(slurm_outputs, *common, "cluster.wait=true", "train.max_steps=12", "stages=[extract]", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    long_train = ["stages=[extract,train]", "train.max_steps=30", "train.checkpoint_every=5", "train.resources.timeout_min=60"]
+    long_train = [
+        "stages=[extract,train]",
+        "train.max_steps=30",
+        "train.checkpoint_every=5",
+        "train.resources.timeout_min=60",
+    ]
     proc = cli(slurm_outputs, *common, *long_train, *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = sorted(slurm_outputs.rglob("jobs.json"), key=lambda p: p.stat().st_mtime)[-1]
@@ -193,16 +248,24 @@ def test_training_requeued_on_sigusr2_resumes_from_checkpoint(slurm_outputs):
 def test_training_as_a_two_task_job_reaches_the_one_task_weights(slurm_outputs):
     """DDP over two Slurm tasks of one job (gloo on CPUs): each task takes its rank from submitit's task model,
     and the draft equals a one-task job's on the same extraction."""
-    from safetensors.torch import load_file
     import torch
+    from safetensors.torch import load_file
 
-    common = ["+experiment=tiny_eagle3", *SLURM_FAST, "cluster.wait=true", "stages=[extract,train]", "train.max_steps=8"]
+    common = [
+        "+experiment=tiny_eagle3",
+        *SLURM_FAST,
+        "cluster.wait=true",
+        "stages=[extract,train]",
+        "train.max_steps=8",
+    ]
     proc = cli(slurm_outputs, *common)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the same extraction and target in a second outputs folder: resources do not key the cache, a new folder does
     two = slurm_outputs.parent / "two"
     for part in ("targets", "extract"):
-        shutil.copytree(slurm_outputs / "cache" / part, two / "cache" / part, ignore=shutil.ignore_patterns("*.lock", ".job.json"))
+        shutil.copytree(
+            slurm_outputs / "cache" / part, two / "cache" / part, ignore=shutil.ignore_patterns("*.lock", ".job.json")
+        )
     proc = cli(two, *common, "train.resources.tasks_per_node=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summaries = {}
@@ -210,7 +273,12 @@ def test_training_as_a_two_task_job_reaches_the_one_task_weights(slurm_outputs):
         summaries[name] = json.loads(max(root.rglob("summary.json"), key=lambda p: p.stat().st_mtime).read_text())
     t1, t2 = summaries["one"]["stages"]["train"], summaries["two"]["stages"]["train"]
     assert t1["compute"]["world_size"] == 1 and t2["compute"] | {} == {
-        "device": "cpu", "devices": ["cpu"], "dtype": "float32", "world_size": 2, "backend": "gloo"}
+        "device": "cpu",
+        "devices": ["cpu"],
+        "dtype": "float32",
+        "world_size": 2,
+        "backend": "gloo",
+    }
     assert summaries["two"]["stages"]["extract"]["cached"] is True
     w1, w2 = (load_file(str(Path(t["draft_dir"]) / "model.safetensors")) for t in (t1, t2))
     for name in w1:
@@ -220,8 +288,12 @@ def test_training_as_a_two_task_job_reaches_the_one_task_weights(slurm_outputs):
 
 
 def sacct_times(job_ids: list[str]) -> dict[str, tuple[str, str]]:
-    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,Start,End", "-j", ",".join(job_ids)], capture_output=True, text=True).stdout
-    return {job: (start, end) for job, start, end in (line.split("|") for line in out.splitlines() if line.count("|") == 2)}
+    out = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-o", "JobID,Start,End", "-j", ",".join(job_ids)], capture_output=True, text=True
+    ).stdout
+    return {
+        job: (start, end) for job, start, end in (line.split("|") for line in out.splitlines() if line.count("|") == 2)
+    }
 
 
 def test_layer_search_runs_trials_as_parallel_slurm_jobs(slurm_outputs):
@@ -230,20 +302,38 @@ def test_layer_search_runs_trials_as_parallel_slurm_jobs(slurm_outputs):
     import optuna
 
     name = "slurm-search"
-    proc = cli(slurm_outputs, "+experiment=tiny_eagle3", "+search=tiny_llama", *SLURM_FAST, "train.max_steps=12",
-               "stages=[extract,train,eval]", f"search.study_name={name}", "search.n_trials=2", "search.n_jobs=2",
-               "search/pruner=none", timeout=1500)
+    proc = cli(
+        slurm_outputs,
+        "+experiment=tiny_eagle3",
+        "+search=tiny_llama",
+        *SLURM_FAST,
+        "train.max_steps=12",
+        "stages=[extract,train,eval]",
+        f"search.study_name={name}",
+        "search.n_trials=2",
+        "search.n_jobs=2",
+        "search/pruner=none",
+        timeout=1500,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     folder = slurm_outputs / "search" / name
     study = optuna.load_study(study_name=name, storage=f"sqlite:///{folder / 'optuna.db'}")
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 2
-    assert study.trials[0].user_attrs["aux_layers"] == [1, 4, 6] and study.trials[1].user_attrs["aux_layers"] != [1, 4, 6]
+    assert study.trials[0].user_attrs["aux_layers"] == [1, 4, 6] and study.trials[1].user_attrs["aux_layers"] != [
+        1,
+        4,
+        6,
+    ]
+
     def job_ids(run_dir: Path) -> list[str]:  # the driver waited for them: submitit's files name them
         return sorted({p.name.split("_")[0] for p in (run_dir / "jobs").glob("*_submitted.pkl")})
 
     union = job_ids(folder / "extract")
     trials = [job_ids(folder / "trials" / f"{n:04d}") for n in (0, 1)]
-    assert len(union) == 1 and [len(t) for t in trials] == [2, 2], (union, trials)  # extract once; train, eval per trial
+    assert len(union) == 1 and [len(t) for t in trials] == [2, 2], (
+        union,
+        trials,
+    )  # extract once; train, eval per trial
     jobs = union + trials[0] + trials[1]
     assert set(wait_terminal(jobs).values()) == {"COMPLETED"}
     from datetime import datetime, timedelta
@@ -257,8 +347,10 @@ def test_layer_search_runs_trials_as_parallel_slurm_jobs(slurm_outputs):
     assert first[0] < second[1] and second[0] < first[1], f"the trials ran one after the other: {times}"
     summary = json.loads((folder / "search.json").read_text())
     client = MlflowClient(summary["tracking_uri"])
-    children = client.search_runs([client.get_run(summary["mlflow_parent_run_id"]).info.experiment_id],
-                                  f"tags.`mlflow.parentRunId` = '{summary['mlflow_parent_run_id']}'")
+    children = client.search_runs(
+        [client.get_run(summary["mlflow_parent_run_id"]).info.experiment_id],
+        f"tags.`mlflow.parentRunId` = '{summary['mlflow_parent_run_id']}'",
+    )
     states = sorted(r.data.tags.get("search.trial_state", "") for r in children if "search.trial" in r.data.tags)
     assert states == ["complete", "complete"], [(r.info.run_name, r.data.tags) for r in children]
 
