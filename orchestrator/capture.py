@@ -25,7 +25,8 @@ def base_model(model: nn.Module) -> nn.Module:
     if isinstance(text_model, nn.Module):
         return text_model if hasattr(text_model, "layers") else base_model(text_model)
     raise TypeError(
-        f"{type(model).__name__}: cannot find the decoder stack (model.model.layers, or model.language_model.model.layers)"
+        f"{type(model).__name__}: cannot find the decoder stack "
+        "(model.model.layers, or model.language_model.model.layers)"
     )
 
 

@@ -374,7 +374,8 @@ def check_resources(cfg: RootConfig, stage: str) -> None:
     r = node.resources
     if node.precision not in PRECISIONS:
         raise ConfigError(
-            f"{stage}.precision={node.precision!r}: expected one of {PRECISIONS} (auto: bfloat16 on GPUs, float32 on CPUs)"
+            f"{stage}.precision={node.precision!r}: expected one of {PRECISIONS} "
+            "(auto: bfloat16 on GPUs, float32 on CPUs)"
         )
     for key in ("nodes", "cpus_per_task", "timeout_min"):
         if getattr(r, key) < 1:
@@ -391,7 +392,8 @@ def check_resources(cfg: RootConfig, stage: str) -> None:
         )
     if cfg.cluster.kind != "slurm" and r.nodes > 1:
         raise ConfigError(
-            f"{stage}.resources.nodes={r.nodes} with cluster.kind={cfg.cluster.kind}: only a Slurm cluster has several nodes"
+            f"{stage}.resources.nodes={r.nodes} with cluster.kind={cfg.cluster.kind}: "
+            "only a Slurm cluster has several nodes"
         )
     if cfg.cluster.kind == "debug" and tasks > 1:
         raise ConfigError(
@@ -414,8 +416,9 @@ def check_resources(cfg: RootConfig, stage: str) -> None:
         )
     if stage in ("eval", "serve") and tasks * r.nodes != 1:
         raise ConfigError(
-            f"{stage}.resources: {r.nodes} node(s) x {tasks} task(s); {stage} runs as one process (a target spread over "
-            f"its GPUs; SGLang parallelises itself): set {stage}.resources.nodes=1 and tasks_per_node=1 or null"
+            f"{stage}.resources: {r.nodes} node(s) x {tasks} task(s); {stage} runs as one process "
+            f"(a target spread over its GPUs; SGLang parallelises itself): set {stage}.resources.nodes=1 "
+            "and tasks_per_node=1 or null"
         )
     if stage == "train" and cfg.train.batch_size % (tasks * r.nodes):
         raise ConfigError(
@@ -480,19 +483,22 @@ def check_regenerate(cfg: RootConfig) -> None:
     r = cfg.data.regenerate
     if r.engine not in REGENERATE_ENGINES:
         raise ConfigError(
-            f"data.regenerate.engine={r.engine!r}: expected one of {REGENERATE_ENGINES} (hf: in process, server: an endpoint)"
+            f"data.regenerate.engine={r.engine!r}: expected one of {REGENERATE_ENGINES} "
+            "(hf: in process, server: an endpoint)"
         )
     if r.api not in REGENERATE_APIS:
         raise ConfigError(
-            f"data.regenerate.api={r.api!r}: expected one of {REGENERATE_APIS} (SGLang's /generate, OpenAI's /v1/completions)"
+            f"data.regenerate.api={r.api!r}: expected one of {REGENERATE_APIS} "
+            "(SGLang's /generate, OpenAI's /v1/completions)"
         )
     if r.concurrency < 1:
         raise ConfigError(f"data.regenerate.concurrency={r.concurrency}: expected >= 1 requests in flight")
     if r.url is not None:
         if r.engine != "server":
             raise ConfigError(
-                f"data.regenerate.url={r.url!r} is an endpoint for data.regenerate.engine=server, but engine={r.engine} "
-                "generates in process: add data.regenerate.engine=server or set data.regenerate.url=null"
+                f"data.regenerate.url={r.url!r} is an endpoint for data.regenerate.engine=server, "
+                f"but engine={r.engine} generates in process: add data.regenerate.engine=server "
+                "or set data.regenerate.url=null"
             )
         parts = urlsplit(r.url)
         try:
@@ -512,8 +518,9 @@ def check_regenerate(cfg: RootConfig) -> None:
             )
     if r.enabled and r.engine == "server" and r.url is None and r.temperature > 0 and cfg.serve.engine == "reference":
         raise ConfigError(
-            f"data.regenerate.temperature={r.temperature} with data.regenerate.engine=server and serve.engine=reference: the "
-            "reference engine decodes greedily only; set data.regenerate.temperature=0 or data.regenerate.engine=hf"
+            f"data.regenerate.temperature={r.temperature} with data.regenerate.engine=server and "
+            "serve.engine=reference: the reference engine decodes greedily only; "
+            "set data.regenerate.temperature=0 or data.regenerate.engine=hf"
         )
 
 
@@ -526,11 +533,13 @@ def check_speculative_args(s: ServeConfig) -> None:
     if s.eagle_topk == 1 and s.num_draft_tokens != s.num_steps + 1:
         raise ConfigError(
             f"serve.num_draft_tokens={s.num_draft_tokens}: with serve.eagle_topk=1 SGLang silently replaces it by "
-            f"serve.num_steps+1={s.num_steps + 1}; set serve.num_draft_tokens={s.num_steps + 1} so the config says what runs"
+            f"serve.num_steps+1={s.num_steps + 1}; set serve.num_draft_tokens={s.num_steps + 1} "
+            "so the config says what runs"
         )
     if s.num_draft_tokens < 2:
         raise ConfigError(
-            f"serve.num_draft_tokens={s.num_draft_tokens}: expected >= 2 (the verified root plus at least one draft token)"
+            f"serve.num_draft_tokens={s.num_draft_tokens}: expected >= 2 "
+            "(the verified root plus at least one draft token)"
         )
 
 

@@ -192,13 +192,16 @@ def encode(rule: IdRule, layers: Sequence[int], num_layers: int) -> list[int]:
 
 
 def _why_not(rule: IdRule, layers: list[int], num_layers: int, candidates: list[list[int]]) -> str:
-    tried = "; ".join(
-        f"ids {ids} would capture [{', '.join(describe(k) if k is not None else 'nothing' for k in rule.decode(ids, num_layers))}]"
-        for ids in candidates
-    )
+    def captured(ids: list[int]) -> str:
+        return ", ".join(describe(k) if k is not None else "nothing" for k in rule.decode(ids, num_layers))
+
+    tried = "; ".join(f"ids {ids} would capture [{captured(ids)}]" for ids in candidates)
     hint = ""
     if num_layers - 1 in layers and rule is not VLLM_ENTERING:
-        hint = f" The last decoder layer ({num_layers - 1}) is never captured by this engine; use {num_layers - 2} or lower."
+        hint = (
+            f" The last decoder layer ({num_layers - 1}) is never captured by this engine; "
+            f"use {num_layers - 2} or lower."
+        )
     elif rule is SGLANG_FIRST_ID and layers and layers[0] == 0:
         hint = " With this rule the output of layer 0 cannot be the first aux layer; start with -1 (embedding) or 1."
     return (

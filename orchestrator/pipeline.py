@@ -7,12 +7,13 @@ executes a plan.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from omegaconf import OmegaConf
 
@@ -235,7 +236,8 @@ def print_plan(plan: Plan) -> None:
     for s in plan.stages:
         r = s["resources"]
         res = (
-            f"{r['nodes']}x{r['gpus_per_node']} GPU, {s['world_size']} rank(s), {s['precision']}, {r['cpus_per_task']} CPU/task, "
+            f"{r['nodes']}x{r['gpus_per_node']} GPU, {s['world_size']} rank(s), {s['precision']}, "
+            f"{r['cpus_per_task']} CPU/task, "
             f"{r['mem_gb']} GB, {r['timeout_min']} min"
         )
         table.add_row(
@@ -312,31 +314,39 @@ def run_pipeline(
                 print(f"[{stage}] cached: {entry['output']}")
                 tracker.tags({f"{stage}.cached": "true"})
                 continue
-            in_flight = None if blocking else _in_flight(cfg, plan, stage)
-            if in_flight:
-                print(f"[{stage}] already queued by another run: job {in_flight}")
-                dependency = in_flight
-                continue
-            job = runner.submit(
-                cfg.cluster,
-                Path(plan.run_dir) / "jobs",
-                entry["job_name"],
-                getattr(cfg, stage).resources,
-                entry["resources"]["tasks_per_node"],
-                stage,
-                cfg,
-                plan,
-                tracker.run_id,
-                entry is todo[-1],
-                dependency=[dependency] if dependency else None,
-            )
-            jobs.append((stage, job))
-            print(f"[{stage}] submitted job {job.job_id} ({cfg.cluster.kind})")
+            with _submission_lock(plan, stage, blocking):
+                # Under the lock, another run's job for the same cached output is seen, or this run's is recorded
+                # before the other looks: two runs (or two trials of a search) never both submit it.
+                if not blocking and (plan.dir(stage) / MANIFEST).exists():
+                    print(f"[{stage}] completed by another run meanwhile: {entry['output']}")
+                    entry["cached"] = True
+                    tracker.tags({f"{stage}.cached": "true"})
+                    continue
+                in_flight = None if blocking else _in_flight(cfg, plan, stage)
+                if in_flight:
+                    print(f"[{stage}] already queued by another run: job {in_flight}")
+                    dependency = in_flight
+                    continue
+                job = runner.submit(
+                    cfg.cluster,
+                    Path(plan.run_dir) / "jobs",
+                    entry["job_name"],
+                    getattr(cfg, stage).resources,
+                    entry["resources"]["tasks_per_node"],
+                    stage,
+                    cfg,
+                    plan,
+                    tracker.run_id,
+                    entry is todo[-1],
+                    dependency=[dependency] if dependency else None,
+                )
+                jobs.append((stage, job))
+                print(f"[{stage}] submitted job {job.job_id} ({cfg.cluster.kind})")
+                if not blocking:
+                    dependency = job.job_id
+                    _record_in_flight(cfg, plan, stage, job.job_id)
             if blocking:
                 runner.wait(job, stage)
-            else:
-                dependency = job.job_id
-                _record_in_flight(cfg, plan, stage, job.job_id)
         if not jobs:
             summary = finish(cfg, plan, tracker)
         elif blocking or cfg.cluster.wait:
@@ -359,6 +369,20 @@ def run_pipeline(
 def _in_flight_record(plan: Plan, stage: str) -> Path | None:
     # Only content-addressed stages (shared between runs) can be in flight for another run.
     return plan.dir(stage) / ".job.json" if stage in ("extract", "train") else None
+
+
+@contextlib.contextmanager
+def _submission_lock(plan: Plan, stage: str, blocking: bool) -> Iterator[None]:
+    """Held while a queued run looks for another run's job of a shared stage, submits its own and records it."""
+    record = _in_flight_record(plan, stage)
+    if blocking or record is None:
+        yield
+        return
+    from filelock import FileLock
+
+    record.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(record) + ".lock"):
+        yield
 
 
 def _in_flight(cfg: RootConfig, plan: Plan, stage: str) -> str | None:
@@ -430,7 +454,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     print(f"MLflow run: {summary['mlflow_url']}")
     if summary["tracking_uri"].startswith("sqlite:///"):
         print(
-            f"  served by: .venv/bin/mlflow ui --backend-store-uri {summary['tracking_uri']} --host 127.0.0.1 --port 5000"
+            f"  served by: .venv/bin/mlflow ui --backend-store-uri {summary['tracking_uri']} "
+            "--host 127.0.0.1 --port 5000"
         )
 
 

@@ -78,7 +78,8 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
             Finding(
                 "layer ids",
                 False,
-                f"serve.layers={list(s.layers)} (serving captures {captured}) differs from aux_layers={list(cfg.aux_layers)} the draft is trained on",
+                f"serve.layers={list(s.layers)} (serving captures {captured}) differs from "
+                f"aux_layers={list(cfg.aux_layers)} the draft is trained on",
                 "drop the serve.layers override: every stage takes ${aux_layers}",
             )
         )
@@ -110,8 +111,9 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
             Finding(
                 "storage",
                 fits,
-                f"extraction writes at most {st['max_bytes'] / 1e9:,.1f} GB ({st['max_tokens']:,} tokens = {st['conversations']:,} "
-                f"conversations x data.max_seq_len={cfg.data.max_seq_len}, x {st['bytes_per_token']:,} bytes/token = "
+                f"extraction writes at most {st['max_bytes'] / 1e9:,.1f} GB ({st['max_tokens']:,} tokens = "
+                f"{st['conversations']:,} conversations x data.max_seq_len={cfg.data.max_seq_len}, "
+                f"x {st['bytes_per_token']:,} bytes/token = "
                 f"{st['states_per_token']} states x hidden {cfg.target.hidden_size} x {cfg.extract.dtype}); "
                 f"extract.max_bytes={st['limit_bytes'] / 1e9:,.1f} GB",
                 ""
@@ -169,7 +171,8 @@ def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
             fix = ""
             if not fits:
                 fix = (
-                    f"give each task {int(least)} GPUs: {stage}.resources.tasks_per_node={r.gpus_per_node // int(least)}"
+                    f"give each task {int(least)} GPUs: "
+                    f"{stage}.resources.tasks_per_node={r.gpus_per_node // int(least)}"
                     if least <= r.gpus_per_node and r.gpus_per_node % least == 0
                     else f"the weights need {int(least)} GPUs of {cfg.cluster.gpu_memory_gb:g} GB, more than a node's "
                     f"{r.gpus_per_node}: use larger GPUs (cluster.gpu_memory_gb) or a quantised checkpoint"
@@ -178,8 +181,9 @@ def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
                 Finding(
                     "memory",
                     fits,
-                    f"{stage}: target weights {need / 1e9:,.1f} GB in {dtype}; each of its {tasks} task(s) per node has {gpus} "
-                    f"GPU(s) x {cfg.cluster.gpu_memory_gb:g} GB, of which the weights may fill {GPU_FILL:.0%}: {have / 1e9:,.1f} GB",
+                    f"{stage}: target weights {need / 1e9:,.1f} GB in {dtype}; each of its {tasks} task(s) "
+                    f"per node has {gpus} GPU(s) x {cfg.cluster.gpu_memory_gb:g} GB, of which the weights "
+                    f"may fill {GPU_FILL:.0%}: {have / 1e9:,.1f} GB",
                     fix,
                 )
             )

@@ -31,7 +31,8 @@ def executor(
     if cluster.kind == "debug":
         if tasks_per_node * resources.nodes > 1:
             raise ValueError(
-                f"cluster.kind=debug runs a job in this process: it cannot run {tasks_per_node * resources.nodes} tasks; use cluster=local"
+                "cluster.kind=debug runs a job in this process: it cannot run "
+                f"{tasks_per_node * resources.nodes} tasks; use cluster=local"
             )
         ex = submitit.DebugExecutor(folder=folder)
     elif cluster.kind == "local":

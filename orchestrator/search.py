@@ -38,6 +38,9 @@ from orchestrator.artifacts import stable_hash, write_json
 from orchestrator.config import ConfigError, RootConfig, extract_storage, load
 
 PRUNE_METRICS = ("expected_accept_length", "acc_<k>", "full_acc_<k>")
+# A worker whose proposed point is already running in another trial tells its trial failed (not counted) and asks
+# for another point, this many times; then it waits for the running trial's outcome and takes it.
+IN_FLIGHT_ASKS = 8
 
 
 @dataclass
@@ -58,6 +61,10 @@ class SearchConfig:
 
 class SearchError(ConfigError):
     """A search that cannot run as configured; raised before any job, naming the key."""
+
+
+class InFlight(Exception):
+    """The proposed point is running in another trial of this driver now."""
 
 
 @dataclass
@@ -196,11 +203,13 @@ def union_storage(search: SearchConfig, experiment: dict[str, Any], space: Space
     fits = int((storage["limit_bytes"] / storage["max_tokens"] - 5) // state_bytes) - 1  # the teacher state is one
     proposal = smaller_candidates(search, cfg, space, fits)
     raise SearchError(
-        f"the search extracts the union of its candidate layers once ({len(space.union)} layers {space.union}): at most "
+        f"the search extracts the union of its candidate layers once ({len(space.union)} layers {space.union}): "
+        f"at most "
         f"{storage['max_bytes'] / 1e9:,.1f} GB, over extract.max_bytes={storage['limit_bytes'] / 1e9:,.1f} GB; "
         + (
-            f"{fits} layers fit. Proposed: search.candidates=[{','.join(map(str, proposal))}] (the baseline's layers and "
-            "others evenly spaced over the union, every slot keeping layers); or lower data.max_train_conversations / data.max_seq_len, or raise "
+            f"{fits} layers fit. Proposed: search.candidates=[{','.join(map(str, proposal))}] "
+            "(the baseline's layers and others evenly spaced over the union, every slot keeping layers); "
+            "or lower data.max_train_conversations / data.max_seq_len, or raise "
             "extract.max_bytes if the disk holds it"
             if proposal
             else f"not even {len(search.slots)} layers fit: lower data.max_train_conversations or data.max_seq_len"
@@ -299,7 +308,8 @@ def suggest(trial, space: Space) -> list[int]:
 
 def finished_count(study) -> int:
     """Trials that count towards search.n_trials: complete, pruned, or failed while running; not a point
-    rejected before its jobs, nor a trial a killed driver left behind (it runs again)."""
+    rejected before its jobs, nor a point proposed while another trial ran it, nor a trial a killed driver left
+    behind (it runs again)."""
     import optuna
 
     states = optuna.trial.TrialState
@@ -309,7 +319,12 @@ def finished_count(study) -> int:
         1
         for t in trials
         if t.state in (states.COMPLETE, states.PRUNED)
-        or (t.state == states.FAIL and "rejected" not in t.user_attrs and t.number not in retried)
+        or (
+            t.state == states.FAIL
+            and "rejected" not in t.user_attrs
+            and "in_flight_of" not in t.user_attrs
+            and t.number not in retried
+        )
     )
 
 
@@ -361,15 +376,24 @@ class Study:
                 self.study.set_user_attr(key, value)
         elif known != mark:
             raise SearchError(
-                f"search.study_name={search.study_name!r}: the study in {self.storage} was run with another experiment or "
-                "space (its values would not compare); continue it with its own command, or name a new study "
-                "(search.study_name=...)"
+                f"search.study_name={search.study_name!r}: the study in {self.storage} was run with another "
+                "experiment or space (its values would not compare); continue it with its own command, "
+                "or name a new study (search.study_name=...)"
             )
         self.uri = tracking.tracking_uri(extract_cfg.tracking.uri, extract_cfg.outputs)
         self.parent = tracking.sweep_parent_run(
             self.uri, extract_cfg.tracking.experiment, self.folder, search.study_name
         )
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the report (search.json, the parent run) written by one thread at a time
+        # Optuna hands out an enqueued trial (the baseline, a killed driver's retries) by reading it WAITING and
+        # then writing it RUNNING. On sqlite that is no atomic claim: SQLAlchemy drops SELECT ... FOR UPDATE there
+        # (optuna/optuna#1014 added it for the servers that have it), so two threads asking at once can both
+        # take the same trial (optuna/optuna#4002) and run its chain twice. One thread asks and tells at a time.
+        self.storage_lock = threading.Lock()
+        # The points whose trials are running now, each with an event set when its trial has been told: a point
+        # the sampler proposes again while it runs waits for that outcome instead of running the chain again.
+        self.claims_lock = threading.Lock()
+        self.in_flight: dict[tuple[int, ...], tuple[int, threading.Event]] = {}
 
     def run(self) -> dict[str, Any]:
         import optuna
@@ -401,13 +425,7 @@ class Study:
         self.extract_union()
         while (left := self.search.n_trials - finished_count(self.study)) > 0:
             before = finished_count(self.study)
-            self.study.optimize(
-                self.trial,
-                n_trials=left,
-                n_jobs=min(self.search.n_jobs, left),
-                catch=(runner.StageFailed, ConfigError, preflight.PreflightError),
-                callbacks=[lambda study, trial: self.report()],
-            )
+            self.run_trials(left)
             if finished_count(self.study) == before:
                 raise SearchError(
                     f"search.slots={self.search.slots}: {left} proposed points in a row were rejected "
@@ -420,6 +438,92 @@ class Study:
                 f"layer search {self.search.study_name!r}: no trial completed; see {self.folder}/trials"
             )
         return report
+
+    def run_trials(self, n: int) -> None:
+        """`n` trials, `search.n_jobs` of them at a time, each in a thread of this driver (a trial is a chain of
+        jobs the thread waits on). An error other than a trial's own failure ends the study once the trials in
+        flight have ended."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(self.search.n_jobs, n), thread_name_prefix="trial") as pool:
+            futures = [pool.submit(self.run_one) for _ in range(n)]
+            for future in futures:
+                future.result()
+
+    def run_one(self) -> None:
+        """Asks the study for a trial, runs it and tells its outcome: complete, pruned, or failed (a stage's
+        failure, or a point rejected before its jobs: the study goes on). A point another trial is running
+        is asked again (`IN_FLIGHT_ASKS`)."""
+        for ask in range(IN_FLIGHT_ASKS + 1):
+            if self.run_asked(wait=ask == IN_FLIGHT_ASKS):
+                return
+
+    def run_asked(self, wait: bool) -> bool:
+        """One trial asked and told; False when its point was in flight elsewhere (told failed, not counted)."""
+        import optuna
+
+        states = optuna.trial.TrialState
+        with self.storage_lock:
+            trial = self.study.ask()
+        try:
+            value = self.trial(trial, wait)
+        except InFlight:
+            self.tell(trial, state=states.FAIL)
+            return False
+        except optuna.TrialPruned:
+            self.tell(trial, state=states.PRUNED)
+        except (runner.StageFailed, ConfigError, preflight.PreflightError) as exc:
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            print(f"[search] trial {trial.number} failed: {first_line}")
+            self.tell(trial, state=states.FAIL)
+        except BaseException:
+            self.tell(trial, state=states.FAIL)
+            raise
+        else:
+            self.tell(trial, value)
+        finally:
+            self.release(trial.number)
+        self.report()
+        return True
+
+    def tell(self, trial, value: float | None = None, state=None) -> None:
+        with self.storage_lock:
+            self.study.tell(trial, value, state=state)
+
+    def claim(self, trial, point: list[int], wait: bool):
+        """The trial that already ended at `point` (complete or pruned), or None once this trial holds the point.
+        While another trial runs the point: InFlight, or with `wait`, the other trial's outcome once told."""
+        import optuna
+
+        ended = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+        while True:
+            with self.claims_lock:
+                done = next(
+                    (
+                        t
+                        for t in self.study.get_trials(deepcopy=False, states=ended)
+                        if t.user_attrs.get("aux_layers") == point and t.user_attrs.get("duplicate_of") is None
+                    ),
+                    None,
+                )
+                owner = self.in_flight.get(tuple(point))
+                if done is not None or owner is None:
+                    if done is None:
+                        self.in_flight[tuple(point)] = (trial.number, threading.Event())
+                    return done
+            if not wait:
+                trial.set_user_attr("in_flight_of", owner[0])
+                print(f"[search] trial {trial.number}: aux_layers={point} is running as trial {owner[0]}: asking again")
+                raise InFlight(point)
+            print(f"[search] trial {trial.number}: aux_layers={point} is running as trial {owner[0]}: waiting for it")
+            owner[1].wait()
+
+    def release(self, number: int) -> None:
+        with self.claims_lock:
+            for point, (owner, event) in list(self.in_flight.items()):
+                if owner == number:
+                    del self.in_flight[point]
+                    event.set()
 
     def extract_union(self) -> None:
         """The union's extraction, once, before the trials (which then find it cached)."""
@@ -434,7 +538,7 @@ class Study:
         summary = run_pipeline(cfg, run_dir, sweep_dir=self.folder)
         tracking.union_extracted(self.uri, summary["mlflow_run_id"], self.space.union)
 
-    def trial(self, trial) -> float:
+    def trial(self, trial, wait: bool = True) -> float:
         """One trial: its point, validated, as one pipeline run whose value the study maximises."""
         import optuna
 
@@ -442,15 +546,7 @@ class Study:
 
         point = suggest(trial, self.space)
         trial.set_user_attr("aux_layers", point)
-        ended = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-        done = next(
-            (
-                t
-                for t in self.study.get_trials(deepcopy=False, states=ended)
-                if t.user_attrs.get("aux_layers") == point and t.user_attrs.get("duplicate_of") is None
-            ),
-            None,
-        )
+        done = self.claim(trial, point, wait)
         if done is not None:  # a sampler re-proposes points of a discrete space: the outcome is known, no job runs
             trial.set_user_attr("duplicate_of", done.number)
             if done.state == optuna.trial.TrialState.PRUNED:  # training is deterministic: it would report the same
@@ -531,6 +627,7 @@ def trial_rows(study) -> list[dict[str, Any]]:
             "rejected": t.user_attrs.get("rejected"),
             "retry_of": t.user_attrs.get("retry_of"),
             "duplicate_of": t.user_attrs.get("duplicate_of"),
+            "in_flight_of": t.user_attrs.get("in_flight_of"),
             "pruned_at_step": max(t.intermediate_values)
             if t.state.name == "PRUNED" and t.intermediate_values
             else None,
@@ -641,6 +738,7 @@ def print_result(summary: dict[str, Any]) -> None:
             + (f" at step {r['pruned_at_step']}" if r["pruned_at_step"] else "")
         )
         state += f" (= trial {r['duplicate_of']}, no job)" if r["duplicate_of"] is not None else ""
+        state += f" (trial {r['in_flight_of']} was running it: asked again)" if r["in_flight_of"] is not None else ""
         table.add_row(
             str(r["number"]), str(r["aux_layers"]), state, value, "" if r["seconds"] is None else f"{r['seconds']:.0f}"
         )

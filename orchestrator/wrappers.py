@@ -1,13 +1,14 @@
 """Multimodal checkpoints whose text model is the target: how their config.json and weights are laid out, and
 how the text model is loaded out of them.
 
-Kimi-K2.5 (DOMAIN.md §4) is `KimiK25ForConditionalGeneration`: its config.json has `model_type: kimi_k25`, the
-DeepSeek-V3 text model's config under `text_config` (next to `vision_config`), and its weights name the text
-model `language_model.*` (`language_model.model.layers.N...`, `language_model.model.embed_tokens.weight`,
-`language_model.lm_head.weight`), beside `vision_tower.*` and `mm_projector.*`. EAGLE-3 drafts only ever see
-text, so a wrapper target is loaded as its text model, built from `text_config` with transformers' own class for
-that architecture, its weights read from the `language_model.` prefix, and held under the wrapper's attribute
-name, so capture finds the decoder where it finds it in the real remote-code model (`model.language_model.model`).
+Kimi-K2.5 (docs/kimi_k25.md#the-target) is `KimiK25ForConditionalGeneration`: its config.json has
+`model_type: kimi_k25`, the DeepSeek-V3 text model's config under `text_config` (next to `vision_config`), and
+its weights name the text model `language_model.*` (`language_model.model.layers.N...`,
+`language_model.model.embed_tokens.weight`, `language_model.lm_head.weight`), beside `vision_tower.*` and
+`mm_projector.*`. EAGLE-3 drafts only ever see text, so a wrapper target is loaded as its text model, built
+from `text_config` with transformers' own class for that architecture, its weights read from the
+`language_model.` prefix, and held under the wrapper's attribute name, so capture finds the decoder where it
+finds it in the real remote-code model (`model.language_model.model`).
 
 The tiny Kimi target (`target=tiny_kimi_k25`) is written in this layout by the tiny builder and loaded by this
 same code. What a real Kimi-K2.5 checkpoint needs beyond it, none of which the tiny one exercises:

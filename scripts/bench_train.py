@@ -62,7 +62,8 @@ def main(overrides: list[str]) -> None:
     print(f"shards read and checksummed once: {read_s:.2f} s for {len(seqs)} sequences")
     print(f"loader:   {loader_tps:12,.0f} tokens/s")
     print(
-        f"training: {train_tps:12,.0f} tokens/s  (ttt_steps={tc.ttt_steps}, batch {tc.batch_size}, {torch.get_num_threads()} threads)"
+        f"training: {train_tps:12,.0f} tokens/s  (ttt_steps={tc.ttt_steps}, batch {tc.batch_size}, "
+        f"{torch.get_num_threads()} threads)"
     )
     print(f"loader/training ratio: {loader_tps / train_tps:.1f}x")
 

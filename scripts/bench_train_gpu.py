@@ -1,4 +1,4 @@
-"""The project's training step against SpecForge's, on one GPU, at the Kimi draft shape (issue 11, point 6).
+"""The project's training step against SpecForge's, on one GPU, at the Kimi draft shape.
 
     python scripts/bench_train_gpu.py --json bench_train_gpu.json          # one GPU: seq 2048 and 8192
     python scripts/bench_train_gpu.py --device cpu --shape tiny --seqs 64 --steps 2 --warmup 1   # CI smoke run
@@ -87,6 +87,10 @@ TEACHER_KIND = "post_norm"  # conf/extract/default.yaml
 GIB = 2**30
 MEMORY_TARGET_GIB, RATIO_TARGET = 80.0, 1.0
 PROJECT = "project"
+# MFU's default peak: NVIDIA's H200 SXM data sheet, dense bf16 Tensor Core (1,979 with sparsity); docs/training.md#mfu
+H200_DATASHEET_BF16_DENSE_TFLOPS = 989.0
+DATASHEET_BASIS = "NVIDIA H200 SXM data sheet, dense bf16 Tensor Core"
+MEASURED_BASIS = "given with --peak-tflops"
 
 
 def shape_of(name: str, seq: int) -> DraftShape:
@@ -108,7 +112,7 @@ def shape_of(name: str, seq: int) -> DraftShape:
 
 
 def flops_per_token(s: DraftShape, seq: int, ttt: int = TTT_STEPS) -> float:
-    """Model FLOPs of one training token (DOMAIN.md §8), multiply-adds counted as 2 FLOPs:
+    """Model FLOPs of one training token (docs/training.md#model-flops-per-token), multiply-adds counted as 2 FLOPs:
 
         6 x (K*Ht*H + T x (attention projections + 3*H*I + H*Vd + causal attention)) + 2*Ht*V
 
@@ -491,8 +495,8 @@ def report(result: dict[str, Any], console: Console) -> None:
         console.print(line, soft_wrap=True)
     if result["peak_tflops"]:
         console.print(
-            f"MFU: model FLOPs per token (DOMAIN.md §8) x tokens/s over an assumed dense bf16 peak of "
-            f"{result['peak_tflops']:g} TFLOP/s (--peak-tflops; 790 is an H200's)."
+            f"MFU: model FLOPs per token (docs/training.md#model-flops-per-token) x tokens/s over a peak of "
+            f"{result['peak_tflops']:g} TFLOP/s ({result['peak_tflops_basis']})."
         )
     for r in result["results"]:
         if r["status"] == "estimated":
@@ -532,7 +536,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--precision", choices=["auto", "float32", "bfloat16"], default="auto", help="the project's train.precision"
     )
-    ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak of the GPU for MFU (790: H200)")
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help=f"peak TFLOP/s for MFU, e.g. a measured bf16 matmul peak (default {H200_DATASHEET_BF16_DENSE_TFLOPS:g}: "
+        f"the H200 data sheet's dense bf16)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--estimate-memory",
@@ -550,7 +560,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         torch.cuda.set_device(device)
     dtype = DTYPES[resolve_precision(args.precision, 1 if device.type == "cuda" else 0)]
-    peak_tflops = args.peak_tflops if device.type == "cuda" else None
+    if args.peak_tflops is None:
+        peak_tflops, peak_basis = H200_DATASHEET_BF16_DENSE_TFLOPS, DATASHEET_BASIS
+    else:
+        peak_tflops, peak_basis = args.peak_tflops, MEASURED_BASIS
+    if device.type != "cuda":
+        peak_tflops = None
     unavailable = specforge_unavailable(device) if args.specforge_backends else None
     console = Console(width=None if sys.stdout.isatty() else 200)
 
@@ -624,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "specforge_teacher": args.specforge_teacher,
         "peak_tflops": peak_tflops,
-        "peak_tflops_assumed": peak_tflops is not None,
+        "peak_tflops_assumed": peak_tflops is not None and args.peak_tflops is None,  # the data sheet's, not given
+        "peak_tflops_basis": peak_basis if peak_tflops is not None else None,
         "results": rows,
         "targets": check_targets(rows),
     }

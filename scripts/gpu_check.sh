@@ -4,17 +4,18 @@
 #
 #   bash scripts/gpu_check.sh          on a single-GPU Linux machine with PyTorch, transformers and triton and no
 #                                      network: the project's other pure-Python dependencies travel as wheels in
-#                                      .whl/ (made here by scripts/gpu_wheels.sh) and are installed to /tmp/site
+#                                      .whl/ (made here by scripts/gpu_wheels.py) and are installed to /tmp/site
 #   bash scripts/gpu_check.sh --cpu    the same steps, reduced, on the CPU (tests/test_gpu_check.py runs it in CI)
 #
-# Results go to $GPU_CHECK_OUT (default: $OUT where the device tool sets it, else outputs/gpu_check). Exits
+# Results go to $GPU_CHECK_OUT (default: $OUT when it is set, else outputs/gpu_check). Exits
 # non-zero when a stage did not run on the device asked for.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 mode=cuda
 [ "${1:-}" = "--cpu" ] && mode=cpu
-out="$(mkdir -p "${GPU_CHECK_OUT:-${OUT:-outputs/gpu_check}}" && cd "${GPU_CHECK_OUT:-${OUT:-outputs/gpu_check}}" && pwd)"
+out_dir="${GPU_CHECK_OUT:-${OUT:-outputs/gpu_check}}"
+out="$(mkdir -p "$out_dir" && cd "$out_dir" && pwd)"
 python="${PYTHON:-python3}"
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && python=.venv/bin/python
 

@@ -3,9 +3,9 @@ at the versions this environment pins, plus SpecForge (without its dependencies)
 
     .venv/bin/python scripts/gpu_wheels.py            # writes .whl/ (git-ignored), prints what and how much
 
-The image's packages are listed in scripts/device_image_packages.txt (read from the device library's KINDS.md,
-2026-11-17); those are used as they are there (torch, transformers, triton, ...). The device tool carries .whl
-(`carry: [".whl"]`), and gpu_check.sh installs it with `pip install --no-deps --target /tmp/site`.
+The image's packages are listed in scripts/device_image_packages.txt (as read on 2026-11-17); those are used as
+they are there (torch, transformers, triton, ...). Copy .whl to the GPU machine with the checkout; gpu_check.sh
+installs it with `pip install --no-deps --target /tmp/site`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main() -> None:
     }
     wanted = [f"{n}=={v}" for n, v in sorted(runtime_closure().items()) if n not in image] + EXTRA
     folder = ROOT / ".whl"
-    folder.mkdir(exist_ok=True)  # git-ignored (.gitignore): the wheels travel with the device tool, never in git
+    folder.mkdir(exist_ok=True)  # git-ignored (.gitignore): the wheels travel beside the checkout, never in git
     pip = [sys.executable, "-m", "pip"]
     for spec in wanted:
         binary = [
@@ -78,7 +78,7 @@ def main() -> None:
         if subprocess.run(binary, capture_output=True).returncode != 0:  # pure-Python sdists (antlr4): build here
             subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", str(folder), spec], check=True)
     size = sum(p.stat().st_size for p in folder.glob("*.whl"))
-    print(f"{len(wanted)} wheels in {folder}: {size / 2**20:.1f} MiB (the device tool carries at most 64 MiB in all)")
+    print(f"{len(wanted)} wheels in {folder}: {size / 2**20:.1f} MiB (at most 64 MiB travel to the GPU machine)")
     for spec in wanted:
         print(f"  {spec}")
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A separate virtual environment holding sglang, for validating launch commands on a CPU machine (DOMAIN.md §4)
+# A separate virtual environment holding sglang, for validating launch commands on a CPU machine
+# (docs/engines.md#checking-a-launch-command-without-a-gpu)
 # and for checking the draft's rope against sglang's own rotary embedding (tests/sglang_rope_probe.py).
 #
 #   bash scripts/make_sglang_env.sh [VENV_DIR]        # default: outputs/sglang-env

@@ -45,13 +45,13 @@ def compose_config(outputs: Path, *overrides: str, experiment: str = "tiny_eagle
 
 @pytest.fixture(scope="session")
 def outputs(tmp_path_factory) -> Path:
-    """One outputs folder (cache, MLflow store) shared by the session, so the tiny target is built once."""
+    """One outputs folder (cache, MLflow store) shared by the whole test session, so the tiny target is built once."""
     return tmp_path_factory.mktemp("outputs")
 
 
 @pytest.fixture(scope="session")
 def tiny_config(outputs):
-    """compose(*overrides) -> RootConfig of the FAST tiny experiment in the session's outputs folder."""
+    """compose(*overrides) -> RootConfig of the FAST tiny experiment in the shared outputs folder."""
     return lambda *overrides, **kw: compose_config(outputs, *overrides, **kw)
 
 

@@ -97,14 +97,14 @@ def test_kimi_shape_is_the_configured_one():
         target.vocab_size,
         target.rope_theta,
     )
-    # DOMAIN.md §8: about 0.048 TFLOP per token at seq 2048
+    # docs/training.md#model-flops-per-token: about 0.048 TFLOP per token at seq 2048
     assert abs(bench.flops_per_token(s, 2048) / 1e12 - 0.048) < 0.001
 
 
 def test_kimi_peak_memory_estimate_without_a_gpu(tmp_path):
     """The project's step at Kimi's draft shape on fake tensors under torch's MemTracker (seconds, no GPU): the
     weights, the frozen teacher head and AdamW's state are all there, the activations grow with the sequence
-    about linearly (no [L, L] tensor per TTT step), and seq 8192 stays under the issue's 80 GiB."""
+    about linearly (no [L, L] tensor per TTT step), and seq 8192 stays under the 80 GiB target."""
     out = tmp_path / "estimate.json"
     run = subprocess.run(
         [

@@ -58,8 +58,12 @@ def imported_modules(path: Path) -> dict[str, int]:
 # Imported only where a separate install provides them, never from the project's environment (they pin their own
 # torch and transformers): module -> where it comes from.
 SEPARATE = {
-    "specforge": "scripts/bench_train_gpu.py's comparison, a --no-deps wheel on the GPU machine (scripts/gpu_wheels.py)",
-    "sglang": "tests/sglang_rope_probe.py, run by SGLANG_PYTHON (scripts/make_sglang_env.sh), never by the project's venv",
+    "specforge": (
+        "scripts/bench_train_gpu.py's comparison, a --no-deps wheel on the GPU machine (scripts/gpu_wheels.py)"
+    ),
+    "sglang": (
+        "tests/sglang_rope_probe.py, run by SGLANG_PYTHON (scripts/make_sglang_env.sh), never by the project's venv"
+    ),
 }
 
 

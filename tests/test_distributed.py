@@ -23,6 +23,7 @@ from orchestrator.pipeline import make_plan, run_pipeline
 from orchestrator.stages.train import rank_share
 from orchestrator.targets import ensure_target
 
+WRITE_AUDIT = Path(__file__).resolve().parent / "write_audit"
 # One CPU per rank, and the one-process run also on one: the same float reductions in both.
 ONE_CPU = ["extract.resources.cpus_per_task=1", "train.resources.cpus_per_task=1"]
 
@@ -40,7 +41,7 @@ def _overrides(ranks: int) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(outputs, tiny_config, tmp_path_factory):
     """{ranks: (config, summary)} of `stages=[extract,train]` with 1 and with 2 processes per stage, each in its
-    own outputs folder (a copy of the session's tiny target), so that neither reuses the other's stages."""
+    own outputs folder (a copy of the shared tiny target), so that neither reuses the other's stages."""
     ensure_target(tiny_config(), progress=False)
     out = {}
     for ranks in (1, 2):
@@ -49,7 +50,21 @@ def runs(outputs, tiny_config, tmp_path_factory):
             outputs / "cache" / "targets", root / "cache" / "targets", ignore=shutil.ignore_patterns("*.lock")
         )
         cfg = compose_config(root, *_overrides(ranks))
-        out[ranks] = (cfg, run_pipeline(cfg, root / "runs" / "r"))
+        audit = {}
+        if ranks == 2:  # every task records its writes under the training cache (tests/write_audit)
+            (root / "writes").mkdir()
+            audit = {
+                "PYTHONPATH": os.pathsep.join([str(WRITE_AUDIT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+                "WRITE_AUDIT_ROOT": str(root / "cache" / "train"),
+                "WRITE_AUDIT_LOG": str(root / "writes"),
+            }
+        saved = {k: os.environ.get(k) for k in audit}
+        os.environ.update(audit)
+        try:
+            out[ranks] = (cfg, run_pipeline(cfg, root / "runs" / "r"))
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     return out
 
 
@@ -149,11 +164,25 @@ def test_two_rank_training_killed_mid_run_resumes_to_the_same_weights(runs, tmp_
 
 
 def test_only_rank_zero_writes(runs):
+    """Two training ranks: rank 0 writes the checkpoints, the draft and the manifest; rank 1 writes nothing under
+    the training folder (every write of both tasks recorded by their audit hook, tests/write_audit)."""
     cfg2, summary2 = runs[2]
     train_dir = Path(summary2["stages"]["train"]["draft_dir"]).parent
     written = sorted(str(p.relative_to(train_dir)) for p in train_dir.rglob("*") if p.is_file())
     assert not [p for p in written if ".tmp" in p]
     assert "checkpoints/latest.pt" in written and "manifest.json" in written
+    logs = {rank: sorted((cfg2.outputs / "writes").glob(f"rank{rank}.*.txt")) for rank in (0, 1)}
+    assert logs[0] and logs[1], f"both training tasks ran with the audit hook: {logs}"
+    by_rank = {
+        rank: [line.split("\t") for p in files for line in p.read_text().splitlines()] for rank, files in logs.items()
+    }
+    renamed = {
+        Path(path).relative_to(train_dir).as_posix()
+        for event, path in by_rank[0]
+        if event == "os.rename" and Path(path).is_relative_to(train_dir)
+    }
+    assert {"checkpoints/latest.pt", "manifest.json", "draft/model.safetensors", "draft/config.json"} <= renamed
+    assert by_rank[1] == [], f"rank 1 wrote under {train_dir}: {by_rank[1][:10]}"
 
 
 def test_a_short_last_batch_leaves_a_rank_a_sequence_that_counts_nothing():

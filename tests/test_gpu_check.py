@@ -17,7 +17,7 @@ def test_gpu_check_runs_reduced_on_the_cpu(outputs, tmp_path):
 
     from orchestrator.targets import ensure_target
 
-    cached = tmp_path / "outputs"  # the session's tiny target, so the script does not build another
+    cached = tmp_path / "outputs"  # the shared tiny target, so the script does not build another
     ensure_target(compose_config(outputs), progress=False)
     shutil.copytree(
         outputs / "cache" / "targets", cached / "cache" / "targets", ignore=shutil.ignore_patterns("*.lock")

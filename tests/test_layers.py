@@ -85,7 +85,8 @@ def test_kimi_seed_layers_on_0_5_23():
 
 
 def test_kimi_seed_layers_written_as_is_capture_only_two_states():
-    # DOMAIN.md §3: [-1, 2, 30] written as-is into a 0.5.23 draft config captures only two states.
+    # docs/kimi_k25.md#layer-ids-for-kimi: [-1, 2, 30] written as-is into a 0.5.23 draft config captures only
+    # two states.
     assert L.from_sglang_ids([-1, 2, 30], 61, "kimi_k25", "0.5.23") == [1, 29]
 
 
@@ -120,7 +121,7 @@ def test_sglang_bad_version_raises():
 
 # --- vLLM / speculators ---------------------------------------------------------------------------------------
 # Source: speculators/vLLM eagle3: id k is the state entering layer k (no shift); k == N is the final
-# pre-norm state (DOMAIN.md §3).
+# pre-norm state (docs/engines.md#layer-ids).
 
 
 def test_vllm_ids_are_entering_layer():

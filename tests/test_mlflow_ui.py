@@ -112,7 +112,10 @@ def test_training_names_teacher_forced_and_own_token_accuracies_apart():
 
 
 def test_note_is_a_headline_with_the_mismatch_in_full():
-    flag = "eval: the draft fed what serving captures scores acc_0=0.483, 0.420 below the 0.903 it scores on the states it was trained on"
+    flag = (
+        "eval: the draft fed what serving captures scores acc_0=0.483, 0.420 below the 0.903 it scores "
+        "on the states it was trained on"
+    )
     summary = {
         "aux_layers": [-1, 1, 4],
         "mismatch_flags": [flag],
@@ -389,7 +392,8 @@ def mlflow_ui(sweep_store, tmp_path):
 def browser(tmp_path):
     if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
         pytest.skip(
-            f"no {CHROMIUM} and {CHROMEDRIVER}: as root, `apt-get install chromium chromium-driver` (scripts/test.sh does)"
+            f"no {CHROMIUM} and {CHROMEDRIVER}: as root, "
+            "`apt-get install chromium chromium-driver` (scripts/test.sh does)"
         )
     session = Browser(tmp_path / "chromium-profile")
     yield session

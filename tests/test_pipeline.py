@@ -51,7 +51,10 @@ def test_full_pipeline(tiny_config, tmp_path):
     summary = run_pipeline(cfg, tmp_path / "run")
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["mlflow_run_id"] == summary["mlflow_run_id"]
     train, ev, serve = (summary["stages"][s] for s in ("train", "eval", "serve"))
-    assert 0.0 <= train["val_acc_0"] <= 1.0
+    # Floors measured on this FAST config (16 steps): 0.127 / 1.38 in training, 0.250 / 1.71 in eval; a draft
+    # that learned nothing (one step) measures 0.0 / 1.0 in both. The same pinned packages give the same figures.
+    assert train["val_acc_0"] >= 0.10 and train["val_expected_accept_length"] >= 1.3, train
+    assert ev["acc_0"] >= 0.20 and ev["expected_accept_length"] >= 1.5, ev
     # the draft as served, paired with the same draft on the states it was trained on: no train/serve gap
     assert abs(ev["acc_gap_0"]) <= 0.03, (ev["acc_0"], ev["trained_states_acc_0"])
     assert serve["greedy_outputs_identical"] is True

@@ -221,5 +221,5 @@ def test_extraction_with_the_server_engine(tiny_config, tmp_path, monkeypatch):
 
 
 def compose_server(cfg, *overrides):
-    """The session's tiny config (the outputs folder of `cfg`) with engine=server on the reference engine."""
+    """The shared tiny config (the outputs folder of `cfg`) with engine=server on the reference engine."""
     return compose_config(cfg.outputs, "data.regenerate.engine=server", *SHORT, *overrides)

@@ -198,7 +198,7 @@ def test_unsupported_rope_is_refused_naming_the_key(config, fragment):
 def sglang_reads(conf: dict) -> tuple[float, dict | None]:
     """(theta, scaling dict) as SGLang 0.5.23 reads a draft config: a mirror, written independently of rope.py,
     of `LlamaDecoderLayer.__init__` in sglang/srt/models/llama.py (reused by LlamaForCausalLMEagle3 in
-    sglang/srt/models/llama_eagle3.py), as recorded in DOMAIN.md §8: `rope_parameters` first, its `rope_theta`
+    sglang/srt/models/llama_eagle3.py), as docs/rope.md describes it: `rope_parameters` first, its `rope_theta`
     and scaling keys; else `rope_theta` (default 10000) and `rope_scaling`."""
     parameters = conf.get("rope_parameters")
     if parameters:
@@ -327,7 +327,7 @@ SGLANG_POSITIONS = [
     131071,
     262143,
 ]
-KIMI_HEAD_DIM = 128  # Kimi's draft (DOMAIN.md §4)
+KIMI_HEAD_DIM = 128  # Kimi's draft (docs/kimi_k25.md#the-draft-shape)
 
 
 def kimi_target(name: str = "kimi_k25") -> dict:

@@ -1,7 +1,7 @@
 """The layer search: its space through the layer contract, its storage budget, pruning, resume and MLflow.
 
 The space and budget tests compose the real config files and run real Optuna samplers, no job. The study tests
-run real trials (submitit local jobs, a sqlite Optuna storage, the session's MLflow store) on the FAST tiny
+run real trials (submitit local jobs, a sqlite Optuna storage, the test session's MLflow store) on the FAST tiny
 target; the resume test kills a real driver process and runs the same command again."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -359,3 +360,86 @@ def test_demo_search_finds_at_least_the_baseline(tmp_path):
     assert base["aux_layers"] == [1, 4, 6] and len(summary["trials"]) >= 10
     sampled = [t for t in summary["trials"] if t["state"] == "complete" and t["aux_layers"] != base["aux_layers"]]
     assert max(t["value"] for t in sampled) >= base["value"], summary["trials"]
+
+
+def _driver_with_fake_chains(outputs: Path, monkeypatch, *overrides: str, hold_s: float = 0.0):
+    """A Study over the tiny space whose trials' pipeline runs are recorded instead of submitted (the driver's
+    own code decides what runs; the jobs it would wait on are not what these tests are about). A run waits up
+    to `hold_s` for a second run to start beside it, so that two trials are in flight together when they can
+    be. Returns (study, calls): calls lists each started run's (run_dir, aux_layers)."""
+    from orchestrator import pipeline
+
+    raw = compose_search(outputs, *TRIAL, "search/pruner=none", "search.n_jobs=2", *overrides)
+    cfg, experiment = search.split(raw)
+    space = search.build_space(cfg, load(experiment))
+    extract_cfg, _ = search.union_storage(cfg, experiment, space)
+    calls, second = [], threading.Event()
+    lock = threading.Lock()
+
+    def run_pipeline(run_cfg, run_dir, sweep_dir=None, search_trial=None):
+        with lock:
+            calls.append((str(run_dir), list(run_cfg.aux_layers)))
+            if len(calls) > 1:
+                second.set()
+        second.wait(hold_s)
+        return {"mlflow_run_id": None, "stages": {"eval": {"expected_accept_length": float(sum(run_cfg.aux_layers))}}}
+
+    monkeypatch.setattr(pipeline, "run_pipeline", run_pipeline)
+    monkeypatch.setattr(search.Study, "extract_union", lambda self: None)
+    return search.Study(cfg, experiment, space, extract_cfg), calls
+
+
+def test_two_workers_reaching_the_enqueued_baseline_run_it_once(tmp_path, monkeypatch):
+    """search.n_jobs=2: both workers ask for a trial at once while the baseline waits in the queue. A barrier
+    holds each between reading the queued trial WAITING and writing it RUNNING (what a busy machine does by
+    chance): on sqlite, where SELECT ... FOR UPDATE locks nothing, both would take it and run its chain twice.
+    The driver asks one thread at a time: the baseline runs once, and the second worker gets a point of its own."""
+    from optuna.storages._rdb import models
+
+    barrier = threading.Barrier(2, timeout=10)  # the other worker arrives within milliseconds when it can
+    original = models.TrialModel.find_or_raise_by_id.__func__
+
+    def held(cls, trial_id, session, for_update=False):
+        row = original(cls, trial_id, session, for_update)
+        if for_update and row.state == optuna.trial.TrialState.WAITING:
+            try:
+                barrier.wait()
+            except threading.BrokenBarrierError:  # alone: the other worker is not reading the queue now
+                pass
+        return row
+
+    monkeypatch.setattr(models.TrialModel, "find_or_raise_by_id", classmethod(held))
+    study, calls = _driver_with_fake_chains(tmp_path, monkeypatch, "search.n_trials=2", "search.study_name=race")
+    study.run()
+    points = [point for _, point in calls]
+    assert len(calls) == 2 and len({run_dir for run_dir, _ in calls}) == 2 and points.count([1, 4, 6]) == 1, calls
+    trials = _study(tmp_path, "race").trials
+    assert trials[0].user_attrs["baseline"] and trials[0].user_attrs["aux_layers"] == [1, 4, 6]
+    complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert [t.user_attrs["aux_layers"] for t in complete] == points and search.finished_count(
+        _study(tmp_path, "race")
+    ) == 2
+
+
+def test_a_point_proposed_while_it_runs_waits_for_its_outcome(tmp_path, monkeypatch):
+    """A space of one point, two workers: the second worker proposes the point the first is running. It starts no
+    chain of its own: it asks for another point, and when the sampler has no other, waits for the first trial's
+    outcome and takes it (`duplicate_of`)."""
+    study, calls = _driver_with_fake_chains(
+        tmp_path,
+        monkeypatch,
+        "search.n_trials=2",
+        "search.study_name=same",
+        "search.baseline=false",
+        "search.slots=[[1,1],[4,4],[6,6]]",
+        hold_s=10,  # long enough for a second chain to start beside the first, were it allowed to
+    )
+    study.run()
+    assert calls == [(str(tmp_path / "search" / "same" / "trials" / "0000"), [1, 4, 6])], calls
+    trials = _study(tmp_path, "same").trials
+    fail, complete = optuna.trial.TrialState.FAIL, optuna.trial.TrialState.COMPLETE
+    # the second worker asked again IN_FLIGHT_ASKS times (each told failed, not counted), then waited
+    assert [t.state for t in trials] == [complete] + [fail] * search.IN_FLIGHT_ASKS + [complete], trials
+    assert all(t.user_attrs["in_flight_of"] == 0 for t in trials[1:-1])
+    assert trials[-1].user_attrs["duplicate_of"] == 0 and trials[-1].value == trials[0].value == 11.0
+    assert search.finished_count(_study(tmp_path, "same")) == 2

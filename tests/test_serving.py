@@ -21,7 +21,7 @@ from orchestrator.stages.serve import server_command
 
 @pytest.fixture(scope="module")
 def served(tiny_config, tmp_path_factory):
-    """(cfg, plan, prompts) with extract and train done (cached in the session's outputs folder)."""
+    """(cfg, plan, prompts) with extract and train done (cached in the shared outputs folder)."""
     cfg = tiny_config("stages=[extract,train]", "cluster=debug")
     run_dir = tmp_path_factory.mktemp("served")
     run_pipeline(cfg, run_dir)

@@ -24,7 +24,7 @@ from orchestrator.pipeline import make_plan, run_pipeline, run_stage
 
 @pytest.fixture(scope="module")
 def trained(tiny_config, tmp_path_factory):
-    """A tiny config whose extract and train stages have run (cached in the session's outputs folder)."""
+    """A tiny config whose extract and train stages have run (cached in the shared outputs folder)."""
     cfg = tiny_config("stages=[extract,train]", "cluster=debug")
     run_dir = tmp_path_factory.mktemp("trained")
     run_pipeline(cfg, run_dir)
@@ -68,7 +68,10 @@ def test_killed_training_resumes_to_the_uninterrupted_weights(trained, tmp_path)
     tracker = _tracker(plan, "resume-test")
     args = tmp_path / "args.pkl"
     args.write_bytes(pickle.dumps(("train", cfg, interrupted, tracker.run_id)))
-    script = "import pickle, sys; from orchestrator.pipeline import run_stage; run_stage(*pickle.load(open(sys.argv[1], 'rb')))"
+    script = (
+        "import pickle, sys; from orchestrator.pipeline import run_stage; "
+        "run_stage(*pickle.load(open(sys.argv[1], 'rb')))"
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", script, str(args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
@@ -169,7 +172,8 @@ def test_eval_runs_the_draft_in_the_dtype_it_is_served_in(trained, tmp_path):
     assert {p.dtype for p in draft.parameters()} == {torch.bfloat16}
     result = run_stage("eval", cfg, eval_plan, _tracker(plan, "eval-bf16").run_id)
     assert result["draft_dtype"] == "bfloat16"
-    assert 0.0 <= result["acc_0"] <= 1.0
+    # the float32 draft measures acc_0 0.250 here, an untrained one 0.0: bf16 rounding keeps what was learned
+    assert result["acc_0"] >= 0.20 and result["expected_accept_length"] >= 1.5, result
 
 
 @pytest.fixture

@@ -1,9 +1,9 @@
 """The SGLang draft directory: vocabulary maps, export, loading, and the validator every export runs.
 
-Format (sglang 0.5.23, `LlamaForCausalLMEagle3`; DOMAIN.md §4): `config.json` + `model.safetensors` with the
-names below. SGLang drops unknown keys silently (random weights, accept length ~1), so the validator refuses
-them. Provenance (trained layers, target identity) goes to `orchestrator.json` beside them, never into
-SGLang's config.
+Format (sglang 0.5.23, `LlamaForCausalLMEagle3`; docs/engines.md#sglang-draft-format): `config.json` +
+`model.safetensors` with the names below. SGLang drops unknown keys silently (random weights, accept length ~1),
+so the validator refuses them. Provenance (trained layers, target identity) goes to `orchestrator.json` beside
+them, never into SGLang's config.
 Rope (`draft/rope.py`): the draft config carries the rope the draft was trained with, which is the target's; the
 validator compares the rope SGLang will build from the draft config with the trained one, absent keys meaning
 SGLang's default (theta 10000), never "unknown".
@@ -163,7 +163,8 @@ def validate_draft_dir(folder: Path, target_config: dict[str, Any] | None = None
 
     need(
         conf.get("architectures") == [ARCHITECTURE],
-        f"architectures={conf.get('architectures')}, expected [{ARCHITECTURE!r}] (EAGLE-3 weights are only remapped for it)",
+        f"architectures={conf.get('architectures')}, expected [{ARCHITECTURE!r}] "
+        f"(EAGLE-3 weights are only remapped for it)",
     )
     need(conf.get("num_hidden_layers") == 1, f"num_hidden_layers={conf.get('num_hidden_layers')}, expected 1")
     for key in (
@@ -202,11 +203,13 @@ def validate_draft_dir(folder: Path, target_config: dict[str, Any] | None = None
         if isinstance(target_ctx, int) and isinstance(conf.get("max_position_embeddings"), int):
             need(
                 conf["max_position_embeddings"] >= target_ctx,
-                f"max_position_embeddings={conf['max_position_embeddings']} < the target's {target_ctx} (SGLang refuses to start)",
+                f"max_position_embeddings={conf['max_position_embeddings']} < the target's {target_ctx} "
+                f"(SGLang refuses to start)",
             )
         need(
             conf.get("target_hidden_size") == target_config.get("hidden_size"),
-            f"target_hidden_size={conf.get('target_hidden_size')} but the target's hidden_size is {target_config.get('hidden_size')}",
+            f"target_hidden_size={conf.get('target_hidden_size')} "
+            f"but the target's hidden_size is {target_config.get('hidden_size')}",
         )
         need(
             conf.get("vocab_size") == target_config.get("vocab_size"),

@@ -1,7 +1,7 @@
 """The draft's rotary embedding, as SGLang 0.5.23 builds it from the draft's config.json.
 
 One place reads a rope from an HF config (target or draft), computes it, and writes it back, so that what the
-draft is trained with and what SGLang serves it with cannot disagree (DOMAIN.md §8).
+draft is trained with and what SGLang serves it with cannot disagree (docs/rope.md).
 
 Reading mirrors SGLang 0.5.23's `LlamaDecoderLayer` (`sglang/srt/models/llama.py`, which the EAGLE-3 draft
 `LlamaForCausalLMEagle3` reuses): a `rope_parameters` dict (transformers 5 spelling) is read first, its
@@ -83,7 +83,8 @@ def read(config: dict[str, Any], where: str = "config.json") -> RopeSpec:
     if parameters:
         if not isinstance(parameters, dict) or any(isinstance(v, dict) for v in parameters.values()):
             raise RopeError(
-                f"{where}: rope_parameters={parameters!r}: only one global rope dict is supported, not a per-layer-type one"
+                f"{where}: rope_parameters={parameters!r}: only one global rope dict is supported, "
+                f"not a per-layer-type one"
             )
         scaling, key = parameters, "rope_parameters"
         theta = parameters.get("rope_theta", config.get("rope_theta", DEFAULT_THETA))
@@ -111,7 +112,8 @@ def read(config: dict[str, Any], where: str = "config.json") -> RopeSpec:
     if unknown:
         raise RopeError(
             f"{where}: {key} keys {unknown} are not read by SGLang 0.5.23's {kind!r} rope "
-            f"(it reads {sorted([*required, *optional])}); remove them or convert them (HF's attention_factor is SGLang's attn_factor)"
+            f"(it reads {sorted([*required, *optional])}); remove them or convert them "
+            f"(HF's attention_factor is SGLang's attn_factor)"
         )
     params = {k: _normalise(k, scaling[k]) for k in (*required, *optional) if scaling.get(k) is not None}
     return RopeSpec(float(theta), kind, params)

@@ -66,7 +66,8 @@ class Engine:
             if len(self.layers) != self.draft.shape.num_aux_layers:
                 raise RuntimeError(
                     f"captured {len(self.layers)} of {self.draft.shape.num_aux_layers} aux hidden states: the draft "
-                    f"config's ids {ids} capture {self.layers} on this {n}-layer target ({family}, sglang {sglang_version} rules)"
+                    f"config's ids {ids} capture {self.layers} on this {n}-layer target "
+                    f"({family}, sglang {sglang_version} rules)"
                 )
         self.stats_lock = threading.Lock()
         self.flush()
@@ -263,7 +264,8 @@ def make_handler(engine: Engine, worker: MainThreadWorker):
         return out
 
     def generate(request: dict[str, Any]) -> Any:
-        """SGLang's /generate: the ids generated as top-level `output_ids` (the end token included), as 0.5.23 answers."""
+        """SGLang's /generate: the ids generated as top-level `output_ids` (the end token included), as 0.5.23
+        answers."""
         batch = request.get("input_ids")
         texts = request.get("text")
         if batch is None and texts is not None:

@@ -1,4 +1,4 @@
-"""SGLang's command line: the only module that knows it (sglang 0.5.23, DOMAIN.md §4).
+"""SGLang's command line: the only module that knows it (sglang 0.5.23; docs/engines.md#sglang-launch-command).
 
     launch_command            the `python -m sglang.launch_server ...` argv, speculative or baseline
     check_draft_for_serving   refuses a draft directory SGLang would load wrongly, above all one whose
@@ -48,7 +48,8 @@ class ServingRefused(RuntimeError):
 def launch_command(
     cfg: RootConfig, target_path: str, draft_dir: str | None, port: int, host: str = "127.0.0.1"
 ) -> list[str]:
-    """The argv that starts SGLang on `target_path`; with `draft_dir` EAGLE-3 speculative decoding, else the baseline."""
+    """The argv that starts SGLang on `target_path`: with `draft_dir` EAGLE-3 speculative decoding, else the
+    baseline."""
     s = cfg.serve
     check_speculative_args(s)
     check_extra_args(s.extra_args)
@@ -146,10 +147,8 @@ def check_layer_ids(cfg: RootConfig, ids: list[int], trained: list[int], where: 
     else:
         what = f"captures {captured} ({states})"
     try:
-        fix = (
-            f"set it to {layer_contract.to_engine_ids(s.engine, trained, t.num_hidden_layers, t.family, s.sglang_version)} "
-            f"(orchestrator.layers.to_engine_ids) or re-export the draft"
-        )
+        fixed_ids = layer_contract.to_engine_ids(s.engine, trained, t.num_hidden_layers, t.family, s.sglang_version)
+        fix = f"set it to {fixed_ids} (orchestrator.layers.to_engine_ids) or re-export the draft"
     except layer_contract.LayerContractError as exc:
         fix = f"no ids express the trained layers with this rule ({exc}); retrain on layers it can capture"
     raise ServingRefused(

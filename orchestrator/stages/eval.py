@@ -227,9 +227,10 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     if len(layers) != draft.shape.num_aux_layers:
         # Nothing can be measured: the draft cannot consume what serving captures. No accuracy is reported.
         flags.append(
-            f"eval: serving captures {len(layers)} states ({layers}) for the draft config's ids, but the draft's fc takes "
-            f"{draft.shape.num_aux_layers}; SGLang would fail or drop a state, so no accuracy or accept length was "
-            "measured. Causes: " + "; ".join(mismatch_causes(cfg, prov, layers, None))
+            f"eval: serving captures {len(layers)} states ({layers}) for the draft config's ids, "
+            f"but the draft's fc takes {draft.shape.num_aux_layers}; SGLang would fail or drop a state, "
+            "so no accuracy or accept length was measured. Causes: "
+            + "; ".join(mismatch_causes(cfg, prov, layers, None))
         )
         result |= {"mismatch": True, "mismatch_flags": flags}
     else:

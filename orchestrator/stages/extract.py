@@ -8,8 +8,9 @@ Output folder (content-addressed by the plan's cache key):
     manifest.json                         written last
 
 Positions are stored unshifted (position t holds the states computed at token t); the trainer applies the
-EAGLE shift. Resumable at shard granularity: a shard with its .json is done and is skipped on restart. Data-parallel: each
-rank of the job writes its own shards (see `run`); the manifest is written once, after all of them.
+EAGLE shift. Resumable at shard granularity: a shard with its .json is done and is skipped on restart.
+Data-parallel: each rank of the job writes its own shards (see `run`); the manifest is written once, after all
+of them.
 """
 
 from __future__ import annotations
@@ -126,8 +127,9 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     if cfg.data.regenerate.enabled and per_seq < MIN_RESPONSE_TOKENS:
         print(
             f"[extract] WARNING: the target's regenerated responses average {per_seq:.1f} tokens (under "
-            f"{MIN_RESPONSE_TOKENS}): it ends its answers at once, so the draft has little to learn from. Check the target "
-            "and its chat template, or train on the data set's responses (data.regenerate.enabled=false)."
+            f"{MIN_RESPONSE_TOKENS}): it ends its answers at once, so the draft has little to learn from. "
+            "Check the target and its chat template, or train on the data set's responses "
+            "(data.regenerate.enabled=false)."
         )
     total_tokens = splits["train"]["num_tokens"] + splits["val"]["num_tokens"]
     total_bytes = sum(s["bytes"] for sp in splits.values() for s in sp["shards"])

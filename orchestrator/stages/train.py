@@ -1,6 +1,6 @@
 """Training: the EAGLE-3 draft on extracted states, with the training-time test, exported for SGLang.
 
-Alignment (DOMAIN.md §2): position t gets the aux states at t and the embedding of token t+1; TTT step k
+Alignment (docs/training.md#alignment): position t gets the aux states at t and the embedding of token t+1; TTT step k
 at t predicts the target's distribution at position t+k+1, counted where the loss mask at t+k+1 is set.
 Output folder: checkpoints/ (resume), draft/ (SGLang draft directory), metrics.json, accuracy plot, manifest.
 """
@@ -397,7 +397,8 @@ def build_draft(
     tensors = load_head_tensors(target_path)
     if shape.hidden_size != cfg.target.hidden_size:
         raise ValueError(
-            f"draft.hidden_size={shape.hidden_size}: the draft shares the target's embedding, so it must equal target.hidden_size={cfg.target.hidden_size}"
+            f"draft.hidden_size={shape.hidden_size}: the draft shares the target's embedding, "
+            f"so it must equal target.hidden_size={cfg.target.hidden_size}"
         )
     draft.embed_tokens.weight.data.copy_(tensors["embed"])
     with safe_open(str(extract_dir / manifest["token_freq"]), framework="pt") as f:
@@ -416,7 +417,8 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     if tc.threads:
         torch.set_num_threads(tc.threads)
     out = plan.dir("train")
-    out.mkdir(parents=True, exist_ok=True)
+    if compute.is_main:  # the other ranks only read from it (a checkpoint to resume from)
+        out.mkdir(parents=True, exist_ok=True)
     extract_dir = plan.dir("extract")
     manifest = load_manifest_checked(extract_dir, cfg)
     target_path = Path(plan.target_dir)

@@ -78,7 +78,7 @@ def cli(outputs: Path, *args: str, timeout: float = 600) -> subprocess.Completed
 
 @pytest.fixture
 def slurm_outputs(outputs, tmp_path):
-    """A fresh outputs folder holding a copy of the session's tiny target, so every stage runs as a job."""
+    """A fresh outputs folder holding a copy of the shared tiny target, so every stage runs as a job."""
     fresh = tmp_path / "outputs"
     targets = outputs / "cache" / "targets"
     if targets.exists():
