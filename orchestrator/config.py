@@ -112,6 +112,10 @@ class DataConfig:
     max_train_conversations: int = MISSING
     max_val_conversations: int = MISSING
     max_seq_len: int = MISSING
+    # A Jinja chat template file that replaces the target's (as serving engines' --chat-template); null: the target's.
+    chat_template: Optional[str] = MISSING
+    # Extraction fails when a shard's loss tokens are a smaller fraction of its tokens than this.
+    min_loss_fraction: float = MISSING
     regenerate: RegenerateConfig = MISSING
 
 
@@ -447,6 +451,15 @@ def check_data(d: DataConfig) -> None:
         raise ConfigError(f"data.name={d.name!r}: expected one of {DATA_SETS} (data=jsonl reads your own files)")
     if d.format not in DATA_FORMATS:
         raise ConfigError(f"data.format={d.format!r}: expected one of {DATA_FORMATS}")
+    if not 0 <= d.min_loss_fraction < 1:
+        raise ConfigError(f"data.min_loss_fraction={d.min_loss_fraction}: expected a fraction in [0, 1)")
+    if d.chat_template is not None:
+        if not Path(d.chat_template).is_file():
+            raise ConfigError(
+                f"data.chat_template={d.chat_template!r}: no such file (a Jinja chat template; relative paths start "
+                f"at {Path.cwd()})"
+            )
+        d.chat_template = str(Path(d.chat_template).resolve())
     if d.name == "stdlib_chat":
         if d.train_files or d.val_files:
             raise ConfigError(

@@ -136,14 +136,106 @@ def parse_conversation(line: str, fmt: str, where: str) -> Conversation:
     return conversation
 
 
-def render(tokenizer, conversation: list[dict], max_len: int) -> Rendered:
-    """Token ids of the conversation under the target's chat template; mask = assistant tokens."""
-    out = tokenizer.apply_chat_template(
-        conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-    )
-    ids = list(out["input_ids"])[:max_len]
-    mask = list(out["assistant_masks"])[:max_len]
+class ChatTemplateError(ValueError):
+    """A chat template whose assistant turns cannot be told apart from the rest of its rendering."""
+
+
+HISTORY_WAYS_OUT = (
+    "data.regenerate.enabled=true (the target answers each prompt: one assistant turn, no history to rewrite), "
+    "or data.chat_template=<file> (a template that renders earlier turns as they were generated)"
+)
+
+
+def assistant_spans(tokenizer, conversation: list[dict], source: str = "the target's chat template") -> tuple:
+    """The conversation rendered as text under the tokenizer's chat template, and the character span of each
+    assistant turn in it: what the model writes for that turn, from the end of the generation prompt through the
+    template's end-of-turn marker (trailing whitespace, and the next turn's header, excluded).
+
+    Works for any template, with or without `{% generation %}` markers. For each assistant turn i, the turns
+    before it rendered with the generation prompt (H) must be a prefix of the turns through it (F):
+    F[len(H):] is what the model generates. Where the whole rendering starts with F, that is the span.
+    Some templates render a turn differently once later turns follow: Qwen3 writes an empty `<think>` block on
+    the last turn only, Mistral moves the system prompt to the last user turn. Then the turn is found in the
+    whole rendering by its content, after the turns before it, followed by the end marker F gives it; the span
+    starts where the generated text's lead (a `<think>` block) starts, or at the content where the whole
+    rendering dropped it. A turn whose content or end marker the template rewrites (reasoning dropped from past
+    turns) raises ChatTemplateError, naming `source`, the turn and the ways out (`HISTORY_WAYS_OUT`)."""
+
+    def text(messages: list[dict], generation_prompt: bool) -> str:
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as exc:  # jinja's TemplateError from raise_exception, or a template bug
+            roles = [m["role"] for m in messages]
+            raise ChatTemplateError(f"{source} cannot render a conversation with roles {roles}: {exc}") from None
+
+    full = text(conversation, False)
+    spans: list[tuple[int, int]] = []
+    cursor = 0  # where the turns after the last span start in `full`
+    for i, message in enumerate(conversation):
+        content = (message.get("content") or "").strip()
+        if message["role"] != "assistant":
+            at = full.find(content, cursor) if content else -1
+            cursor = at + len(content) if at >= 0 else cursor  # a template may drop it (a system prompt)
+            continue
+        before, through = text(conversation[:i], True), text(conversation[: i + 1], False)
+        generated = (
+            through[len(before) :] if through.startswith(before) else _after_prompt(before, through, conversation[:i])
+        )
+        if generated is None:
+            raise ChatTemplateError(
+                f"{source}: the rendering of messages[0..{i}] does not continue the generation prompt of "
+                f"messages[{i}] (an assistant turn), so the tokens the model writes cannot be told apart. Ways out: "
+                f"{HISTORY_WAYS_OUT}"
+            )
+        if through.startswith(before) and full.startswith(through):
+            span = (len(before), len(through.rstrip()))
+        else:
+            at = generated.rfind(content) if content else -1
+            found = full.find(content, cursor) if at >= 0 else -1
+            tail = generated[at + len(content) :].rstrip() if at >= 0 else ""
+            if found < 0 or not full.startswith(tail, found + len(content)):
+                raise ChatTemplateError(
+                    f"{source}: messages[{i}] (an assistant turn) renders differently once later turns follow: "
+                    "its content or end marker is rewritten (as templates that drop past reasoning do), so the "
+                    f"draft would learn text the target does not write. Ways out: {HISTORY_WAYS_OUT}"
+                )
+            lead = generated[:at]
+            start = found - len(lead) if lead and full[:found].endswith(lead) else found
+            span = (start, found + len(content) + len(tail))
+        spans.append(span)
+        cursor = span[1]
+    return full, spans
+
+
+def _after_prompt(before: str, through: str, prompt: list[dict]) -> str | None:
+    """What `through` renders after the generation prompt, when the prompt's rendering `before` is not a prefix of
+    it (the template moves or drops an earlier message once an answer follows): both are anchored at the last
+    prompt message's content, which the generation prompt's header follows in both."""
+    last = next((m.get("content") or "" for m in reversed(prompt) if (m.get("content") or "").strip()), "").strip()
+    at_before, at_through = before.rfind(last), through.rfind(last)
+    if not last or at_before < 0 or at_through < 0:
+        return None
+    header = before[at_before + len(last) :]
+    rest = through[at_through + len(last) :]
+    return rest[len(header) :] if rest.startswith(header) else None
+
+
+def render(tokenizer, conversation: list[dict], max_len: int, source: str = "the target's chat template") -> Rendered:
+    """Token ids of the conversation under the tokenizer's chat template (as `apply_chat_template` tokenizes
+    it); mask = the tokens that start inside an assistant turn's span (`assistant_spans`)."""
+    full, spans = assistant_spans(tokenizer, conversation, source)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])[:max_len]
+    mask = [int(any(a <= begin < b for a, b in spans)) for begin, _ in enc["offset_mapping"][:max_len]]
     return Rendered(ids, mask)
+
+
+def masked_text(tokenizer, conversation: list[dict], source: str = "the target's chat template") -> tuple:
+    """(masked fraction, the masked text with ' | ' between turns): what the dry run shows of one sample."""
+    full, spans = assistant_spans(tokenizer, conversation, source)
+    rendered = render(tokenizer, conversation, 1 << 30, source)
+    fraction = sum(rendered.loss_mask) / max(1, len(rendered.loss_mask))
+    return fraction, " | ".join(full[a:b] for a, b in spans)
 
 
 def prompt_ids(tokenizer, conversation: list[dict], max_len: int) -> list[int]:

@@ -60,6 +60,11 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     data = _subtree(cfg, "data")
     # a user's file edited in place is another data set: its content, not its path, keys the extraction
     data["file_sha256"] = [file_sha256(Path(f)) for f in [*cfg.data.train_files, *cfg.data.val_files]]
+    if cfg.data.chat_template is not None:  # the template's text renders the sequences, not where it lies
+        data["chat_template"] = file_sha256(Path(cfg.data.chat_template))
+    else:  # the target's own template is part of the target's identity
+        data.pop("chat_template")
+    data.pop("min_loss_fraction")  # a check, not an input
     if not cfg.data.regenerate.enabled:  # the settings of a regeneration that does not run decide nothing
         data["regenerate"] = {"enabled": False}
     keys: dict[str, str] = {}
@@ -258,6 +263,35 @@ def print_plan(plan: Plan) -> None:
             )
 
 
+def print_mask_preview(cfg: RootConfig, target: Path) -> None:
+    """One training conversation rendered as extraction will render it: the fraction of its tokens the loss
+    covers and the text it covers. A template whose mask is empty shows here, before any job."""
+    from orchestrator import data, targets
+
+    if "extract" not in cfg.stages:
+        return
+    if cfg.data.regenerate.enabled:
+        print("[mask] the loss covers the target's own responses (data.regenerate.enabled=true)")
+        return
+    if not (target / "tokenizer_config.json").exists():
+        print(f"[mask] no tokenizer at {target} yet (it is built by the extract stage): no sample rendered")
+        return
+    tokenizer = targets.load_tokenizer(target, cfg.target.trust_remote_code, cfg.data.chat_template)
+    train, _ = data.conversations(cfg.data, cfg.seed)
+    source = targets.template_source(target, cfg.data.chat_template)
+    try:
+        fraction, text = data.masked_text(tokenizer, train[0], source)
+    except data.ChatTemplateError as exc:
+        print(f"[mask] {exc}")
+        return
+    print(f"[mask] sample conversation (train[0], {len(train[0])} turns): {fraction:.1%} of its tokens are loss tokens")
+    print(f"[mask] loss text: {text[:400]!r}" + (" ..." if len(text) > 400 else ""))
+    if fraction < cfg.data.min_loss_fraction:
+        print(
+            f"[mask] below data.min_loss_fraction={cfg.data.min_loss_fraction}: extraction would refuse it ({source})"
+        )
+
+
 def write_run_files(cfg: RootConfig, plan: Plan) -> None:
     run_dir = Path(plan.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -287,6 +321,7 @@ def run_pipeline(
     for finding in memory:
         print(f"[memory] {finding.message}")
     if cfg.dry_run:
+        print_mask_preview(cfg, Path(plan.target_dir))
         print(f"dry run: nothing submitted; plan written to {Path(plan.run_dir) / 'plan.json'}")
         return {"dry_run": True, "plan": asdict(plan)}
 

@@ -9,6 +9,7 @@ again at stage boundaries. Each finding names its category, what is wrong and th
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,17 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
     return out
 
 
+def quantization_of(target_dir: Path) -> str | None:
+    """The quantization a target checkpoint declares in its config.json (`quantization_config`, at the top or in
+    a wrapper's `text_config`), as its quant_method; None when it declares none or has no config yet."""
+    path = Path(target_dir) / "config.json"
+    if not path.exists():
+        return None
+    conf = json.loads(path.read_text())
+    q = conf.get("quantization_config") or (conf.get("text_config") or {}).get("quantization_config")
+    return None if not q else str(q.get("quant_method", "quantization_config")) if isinstance(q, dict) else str(q)
+
+
 def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
     """Whether the target's weights fit where each stage that loads them in this project's code puts them: a
     task's GPUs (up to `targets.GPU_FILL` of each), or else the node's memory shared by its tasks. Read from the
@@ -142,8 +154,32 @@ def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
 
     out: list[Finding] = []
     loaders = [s for s in cfg.stages if s in ("extract", "eval") or (s == "serve" and cfg.serve.engine == "reference")]
+    quantized = quantization_of(target_dir)
     for stage in loaders:
         r = getattr(cfg, stage).resources
+        if quantized:
+            out.append(
+                Finding(
+                    "memory",
+                    False,
+                    f"{stage}: the target at {target_dir} is quantized ({quantized}); {stage} loads it with HF "
+                    "transformers, which cannot load quantized experts as plain weights (they would stay random)",
+                    "dequantise the checkpoint to bf16 (target.path=<bf16 copy>); capture through the serving "
+                    "engine (vLLM's extract_hidden_states) is the way for a checkpoint that is too large for that",
+                )
+            )
+            continue
+        if cfg.cluster.kind == "slurm" and r.gpus_per_node and cfg.cluster.gpu_memory_gb is None:
+            out.append(
+                Finding(
+                    "memory",
+                    False,
+                    f"{stage}: {r.gpus_per_node} GPU(s) per node on a Slurm cluster of unknown GPU memory",
+                    "set cluster.gpu_memory_gb (one GPU's memory in GB: H100 80, H200 141) in conf/cluster/<site>.yaml "
+                    "or as an override, so that the target's fit is checked before any job",
+                )
+            )
+            continue
         dtype = resolve_precision(getattr(cfg, stage).precision, r.gpus_per_node)
         need = weight_bytes(target_dir, dtype)
         if need is None:

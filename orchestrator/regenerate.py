@@ -41,7 +41,10 @@ def sequences(
     """A split's training sequences: the data set's conversations rendered, or, with `data.regenerate.enabled`,
     the target's own responses to their prompts (seeded by the run's seed and the split)."""
     if not cfg.data.regenerate.enabled:
-        return [render(tokenizer, c, cfg.data.max_seq_len) for c in conversations]
+        source = (
+            f"data.chat_template={cfg.data.chat_template}" if cfg.data.chat_template else "the target's chat template"
+        )
+        return [render(tokenizer, c, cfg.data.max_seq_len, source) for c in conversations]
     split_seed = cfg.seed + (0 if split == "train" else 1)
     return regenerate(
         conversations,

@@ -102,13 +102,26 @@ def identity(cfg: RootConfig, path: Path) -> TargetIdentity:
     )
 
 
-def load_tokenizer(path: Path, trust_remote_code: bool = False):
+def load_tokenizer(path: Path, trust_remote_code: bool = False, chat_template: str | None = None):
+    """The target's tokenizer; `chat_template` (data.chat_template, a Jinja file) replaces its template."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if chat_template is not None:
+        tokenizer.chat_template = Path(chat_template).read_text(encoding="utf-8")
+    return tokenizer
 
 
-def load_target(path: Path, trust_remote_code: bool = False, compute: Compute | None = None):
+def template_source(path: Path, chat_template: str | None) -> str:
+    """How an error names the chat template the conversations were rendered with."""
+    if chat_template is not None:
+        return f"data.chat_template={chat_template}"
+    return f"the chat template of the target at {path} (override it with data.chat_template=<file>)"
+
+
+def load_target(
+    path: Path, trust_remote_code: bool = False, compute: Compute | None = None, chat_template: str | None = None
+):
     """(model, tokenizer) in eval mode, in `compute`'s dtype, on its devices (the CPU in float32 without one).
 
     One device: the whole model on it. Several (a task that owns more than one GPU, because the target does not
@@ -125,7 +138,7 @@ def load_target(path: Path, trust_remote_code: bool = False, compute: Compute | 
 
     compute = compute or compute_mod.cpu()
     placement = {"dtype": compute.dtype} | device_placement(compute)
-    tokenizer = load_tokenizer(path, trust_remote_code)
+    tokenizer = load_tokenizer(path, trust_remote_code, chat_template)
     config = wrappers.read_config(path)
     wrapper = wrappers.wrapper_of(config)
     if wrapper is not None:

@@ -550,7 +550,22 @@ def main(argv: list[str] | None = None) -> int:
         help="also estimate the project's peak memory per length on fake tensors (seconds, no GPU needed)",
     )
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the arguments and the shapes they name, print what would run, and stop (no device needed)",
+    )
     args = ap.parse_args(argv)
+    if args.dry_run:
+        plan = {
+            "dry_run": True,
+            **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "dry_run"},
+            "flops_per_token": {seq: flops_per_token(shape_of(args.shape, seq), seq) for seq in args.seqs},
+        }
+        print(json.dumps(plan))
+        if args.json:
+            args.json.write_text(json.dumps(plan, indent=2) + "\n")
+        return 0
 
     device = torch.device(args.device)
     if device.type == "cuda":

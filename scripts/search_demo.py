@@ -31,12 +31,24 @@ def main(extra: list[str]) -> None:
     study = next((outputs / "search").iterdir())
     summary = json.loads((study / "search.json").read_text())
     trials = summary["trials"]
-    states = {s: sum(t["state"] == s for t in trials) for s in ("complete", "pruned", "fail")}
-    distinct = len({tuple(t["aux_layers"]) for t in trials if t["aux_layers"] and t["duplicate_of"] is None})
+    # A trial either ran its point's jobs, or took a point's first outcome without a job (a re-proposal), or was
+    # asked again because another trial was running its point, or was rejected before any job.
+    ran = [t for t in trials if t["duplicate_of"] is None and t["in_flight_of"] is None and not t["rejected"]]
+    again = [t for t in trials if t["duplicate_of"] is not None]
+    in_flight = [t for t in trials if t["in_flight_of"] is not None]
+    rejected = [t for t in trials if t["rejected"]]
+    by_state = {s: sum(t["state"] == s for t in ran) for s in ("complete", "pruned", "fail")}
+    distinct = len({tuple(t["aux_layers"]) for t in ran})
     print(f"command: {' '.join(command[1:])}")
+    print(f"wall time: {seconds / 60:.1f} min for {len(trials)} trials, extraction included")
     print(
-        f"wall time: {seconds / 60:.1f} min for {len(trials)} trials ({distinct} distinct points run; "
-        f"{states['complete']} complete, {states['pruned']} pruned, {states['fail']} failed), extraction included"
+        f"points run: {len(ran)} trials ran jobs for {distinct} distinct points: {by_state['complete']} complete, "
+        f"{by_state['pruned']} pruned, {by_state['fail']} failed"
+    )
+    print(
+        f"re-proposals: {len(again)} trials proposed a point already ended and took its outcome without a job "
+        f"({sum(t['state'] == 'complete' for t in again)} complete, {sum(t['state'] == 'pruned' for t in again)} "
+        f"pruned); {len(in_flight)} asked again while their point ran; {len(rejected)} rejected before any job"
     )
     base, best = summary["baseline"], summary["best"]
     print(

@@ -34,11 +34,25 @@ FAST = [
 ]
 
 
+# kimi_eagle3 requires what only its user knows: their conversations (data.train_files; the repository's sample
+# stands in for them) and their Slurm cluster's GPU memory (cluster.gpu_memory_gb; an H200's 141 GB here).
+SAMPLE_DATA = Path(__file__).resolve().parents[1] / "data" / "sample_chat.jsonl"
+
+
+def user_overrides(overrides) -> list[str]:
+    overrides = list(overrides)
+    if "+experiment=kimi_eagle3" not in overrides:
+        return overrides
+    return [f"data.train_files=[{SAMPLE_DATA}]", "cluster.gpu_memory_gb=141", *overrides]
+
+
 def compose_config(outputs: Path, *overrides: str, experiment: str = "tiny_eagle3", fast: bool = True) -> RootConfig:
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         raw = compose(
             "config",
-            overrides=[f"+experiment={experiment}", f"outputs_dir={outputs}", *(FAST if fast else []), *overrides],
+            overrides=user_overrides(
+                [f"+experiment={experiment}", f"outputs_dir={outputs}", *(FAST if fast else []), *overrides]
+            ),
         )
     return load(raw)
 

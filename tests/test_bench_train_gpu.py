@@ -57,9 +57,9 @@ def test_cpu_smoke_run(tmp_path):
     project = rows[("project", 64)]
     assert project["status"] == "measured" and project["tokens_per_s"] > 0
     assert project["flops_per_token"] > 0
-    for backend in ("flex_attention", "sdpa"):  # never silently missing
+    for backend in ("flex_attention", "sdpa"):  # never silently missing: on a CPU, skipped with the reason
         row = rows[(f"specforge:{backend}", 64)]
-        assert row["status"] == "measured" or (row["status"] == "skipped" and row["reason"]), row
+        assert row["status"] == "skipped" and "device is cpu" in row["reason"] and "triton" in row["reason"], row
     assert {t["status"] for t in result["targets"].values()} <= {"PASS", "FAIL", "UNMEASURED"}
     assert "targets:" in run.stdout
 
@@ -170,3 +170,18 @@ def test_the_fake_tensor_estimate_is_what_real_tensors_allocate():
     fake, real = json.loads(run.stdout.strip().splitlines()[-1])
     assert fake["peak_estimated_gib"] > 0 and fake["by_kind_gib"]["act"] > 0
     assert fake == real
+
+
+def test_specforge_is_skipped_on_a_gpu_without_it_naming_the_install():
+    """On a CUDA device where specforge does not import (as in this environment), the reason names the import
+    error and the install; the rows are skipped with it rather than missing."""
+    import torch
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_train_gpu as bench
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    reason = bench.specforge_unavailable(torch.device("cuda"))
+    assert reason.startswith("cannot import specforge (ModuleNotFoundError") and "pip install --no-deps" in reason
+    assert bench.specforge_unavailable(torch.device("cpu")).startswith("device is cpu")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import user_overrides
 from hydra import compose, initialize_config_dir
 
 from orchestrator import conf_dir
@@ -19,7 +20,7 @@ EXPERIMENTS = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
 
 def compose_root(overrides: list[str]) -> RootConfig:
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return load(compose("config", overrides=overrides))
+        return load(compose("config", overrides=user_overrides(overrides)))
 
 
 def test_there_are_experiments():
@@ -29,7 +30,7 @@ def test_there_are_experiments():
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_composes_and_validates(experiment, tmp_path):
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        raw = compose("config", overrides=[f"+experiment={experiment}"])
+        raw = compose("config", overrides=user_overrides([f"+experiment={experiment}"]))
     space = None
     if "search" in raw:  # a layer search: its space is validated as the search command does, before any job
         from orchestrator import search
@@ -124,7 +125,11 @@ def test_kimi_plan_ids_capture_the_seed_layers(tmp_path):
 def _cli(args: list[str], outputs: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(outputs)}
     return subprocess.run(
-        [sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-m", "orchestrator", *user_overrides(args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
 
 
@@ -163,3 +168,14 @@ def test_dry_run_prints_the_extraction_storage_and_an_over_budget_plan_is_refuse
         and "extract.max_bytes=10.0 GB" in refused.stderr
     )
     assert not list((tmp_path / "refused").rglob("plan.json")), "refused before anything is written"
+
+
+def test_kimi_without_user_data_fails_naming_data():
+    """The Kimi experiment has no built-in corpus: composed without conversations it fails, naming the key, and
+    it trains on the target's own answers through its serving engine."""
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        raw = compose("config", overrides=["+experiment=kimi_eagle3"])
+    with pytest.raises(ConfigError, match=r"data\.train_files=\[\]: data=jsonl needs at least one file"):
+        load(raw)
+    cfg = compose_root(["+experiment=kimi_eagle3"])
+    assert cfg.data.name == "jsonl" and cfg.data.regenerate.enabled and cfg.data.regenerate.engine == "server"

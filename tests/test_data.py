@@ -61,3 +61,37 @@ def test_regenerated_sequences_are_kept_for_a_restarted_extraction(tiny_config, 
     assert kept.exists() and not list(kept.parent.glob(".*.tmp")), "written under a temporary name, then renamed"
     again = _sequences(None, tokenizer, val[:5], "val", 3, tmp_path, cfg)  # no model: it must read, not generate
     assert [(r.input_ids, r.loss_mask) for r in again] == [(r.input_ids, r.loss_mask) for r in first]
+
+
+def test_prefix_mask_equals_the_generation_markers_mask_on_the_corpus(tiny_config):
+    """The tiny target's template has `{% generation %}` markers: on every conversation of the test corpus (both
+    splits), the mask found by rendering prefixes (`orchestrator.data.render`) equals transformers' assistant
+    mask, and the ids equal apply_chat_template's."""
+    from orchestrator.data import render
+    from orchestrator.targets import load_tokenizer
+
+    cfg = tiny_config()
+    tokenizer = load_tokenizer(ensure_target(cfg, progress=False))
+    train, val = conversations(cfg.data, cfg.seed)
+    assert len(train) + len(val) >= 100
+    for conversation in train + val:
+        marked = tokenizer.apply_chat_template(
+            conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        rendered = render(tokenizer, conversation, 1 << 20)
+        assert rendered.input_ids == list(marked["input_ids"])
+        assert rendered.loss_mask == list(marked["assistant_masks"]) and sum(rendered.loss_mask) > 0
+
+
+def test_a_shard_below_the_loss_fraction_fails_extraction_naming_the_key(tiny_config, tmp_path):
+    """With data.min_loss_fraction above what the template masks, extraction refuses the first shard, naming the
+    key and the fixes; no shard is written."""
+    import pytest
+
+    from orchestrator import runner
+    from orchestrator.pipeline import make_plan, run_pipeline
+
+    cfg = tiny_config("stages=[extract]", "cluster=local", "data.min_loss_fraction=0.99")
+    with pytest.raises(runner.StageFailed, match=r"train shard 0: .* below data\.min_loss_fraction=0\.99"):
+        run_pipeline(cfg, tmp_path / "run")
+    assert not list(make_plan(cfg, tmp_path / "run").dir("extract").glob("*/shard_*.safetensors"))

@@ -33,3 +33,21 @@ def test_gpu_check_runs_reduced_on_the_cpu(outputs, tmp_path):
     assert line["stage_dtypes"]["train"] == "float32"
     assert line["speedup"] > 0 and line["served_accept_length"] >= 1.0
     assert line["bench"], "the benchmark's results are part of the line"
+
+
+def test_gpu_check_cuda_arguments_parse_without_a_gpu(tmp_path):
+    """`--dry-run`: the GPU run's own demo overrides and benchmark arguments go through the real parsers (Hydra
+    and the pipeline's plan; the benchmark's argparse and shapes), so the CUDA branch cannot rot either."""
+    env = {**os.environ, "GPU_CHECK_OUT": str(tmp_path / "check"), "GPU_CHECK_OUTPUTS": str(tmp_path / "outputs")}
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    stages = ("extract", "train", "eval", "serve")
+    assert line["stage_gpus"] == {s: 1 for s in stages} and line["stage_precisions"] == {s: "bfloat16" for s in stages}
+    bench = line["bench"]
+    assert (bench["device"], bench["shape"], bench["seqs"]) == ("cuda", "kimi", [2048, 8192])
+    assert bench["specforge_backends"] == ["flex_attention", "sdpa"] and bench["estimate_memory"] is True
+    assert bench["steps"] > 0 and all(f > 0 for f in bench["flops_per_token"].values())
+    assert not (tmp_path / "outputs" / "cache").exists(), "a dry run builds and runs nothing"

@@ -260,3 +260,33 @@ def test_dry_run_refuses_a_target_that_cannot_fit_a_tasks_gpus(tiny_config, tmp_
     )
     assert run_pipeline(spread, tmp_path / "spread")["dry_run"]
     assert "[memory] extract: target weights" in capsys.readouterr().out
+
+
+def test_dry_run_refuses_a_quantized_target_for_the_hf_capture(tiny_config, tmp_path):
+    """A checkpoint whose config.json declares quantization (Kimi-K2.5's compressed-tensors INT4 experts, here
+    planted in a copy of the tiny target's config) cannot be captured by HF transformers: refused before any job,
+    naming what to do, whatever its weights' byte count."""
+    import shutil
+
+    from orchestrator.targets import ensure_target
+
+    target = ensure_target(tiny_config(), progress=False)
+    quantized = tmp_path / "quantized"
+    shutil.copytree(target, quantized, ignore=shutil.ignore_patterns("*.lock"))
+    conf = json.loads((quantized / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    (quantized / "config.json").write_text(json.dumps(conf))
+    cfg = tiny_config("dry_run=true", f"target.path={quantized}")
+    with pytest.raises(
+        preflight.PreflightError, match=r"extract: the target at .* is quantized \(compressed-tensors\)"
+    ):
+        run_pipeline(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "plan.json").exists()
+
+
+def test_slurm_gpu_stages_need_the_clusters_gpu_memory(tiny_config, tmp_path):
+    cfg = tiny_config("dry_run=true", "cluster=slurm", "extract.resources.gpus_per_node=1")
+    with pytest.raises(preflight.PreflightError, match=r"set cluster\.gpu_memory_gb"):
+        run_pipeline(cfg, tmp_path / "run")
+    ok = tiny_config("dry_run=true", "cluster=slurm", "extract.resources.gpus_per_node=1", "cluster.gpu_memory_gb=141")
+    assert run_pipeline(ok, tmp_path / "ok")["dry_run"]

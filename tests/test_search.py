@@ -17,7 +17,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import FAST
+from conftest import FAST, user_overrides
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
@@ -37,7 +37,9 @@ def compose_search(outputs: Path, *overrides: str, experiment: str = "tiny_eagle
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return compose(
             "config",
-            overrides=[f"+experiment={experiment}", f"+search={space}", f"outputs_dir={outputs}", *fast, *overrides],
+            overrides=user_overrides(
+                [f"+experiment={experiment}", f"+search={space}", f"outputs_dir={outputs}", *fast, *overrides]
+            ),
         )
 
 

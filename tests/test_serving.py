@@ -74,7 +74,7 @@ def test_server_that_fails_mid_benchmark(served, tmp_path, fault, expected):
     message = str(err.value)
     assert expected in message, message
     assert "server log tail" in message and "reference engine ready" in message, message
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # gone within a second alone; a busy machine's margin
     while not _gone(pgid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _gone(pgid), "the server's process group outlived the benchmark"

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import user_overrides
 from golden import GOLDEN_DIR, assert_matches_golden
 from hydra import compose, initialize_config_dir
 
@@ -41,7 +42,7 @@ EXPERIMENTS = {
 def make_config(overrides: list[str]) -> RootConfig:
     with initialize_config_dir(config_dir=str(orchestrator.conf_dir()), version_base="1.3"):
         # serve.python defaults to $SGLANG_PYTHON; pin it so goldens do not depend on the environment.
-        return load(compose("config", overrides=[*overrides, f"serve.python={SERVING_PYTHON}"]))
+        return load(compose("config", overrides=user_overrides([*overrides, f"serve.python={SERVING_PYTHON}"])))
 
 
 def assert_golden(name: str, data: Any) -> None:
@@ -285,10 +286,38 @@ def test_malformed_draft_or_missing_provenance_is_refused(tmp_path):
 # ------------------------------------------------------------------------------ sglang's own parser
 
 
-def test_parser_check_script_uses_sglangs_parser():
-    script = sglang.parser_check_script()
-    assert "ServerArgs.add_cli_args(parser)" in script and "parse_args(sys.argv[1:])" in script
-    compile(script, "<parser_check>", "exec")
+STAND_IN_SERVER_ARGS = """
+class ServerArgs:
+    @staticmethod
+    def add_cli_args(parser):
+        parser.add_argument("--model-path", required=True)
+        parser.add_argument("--speculative-algorithm", choices=["EAGLE", "EAGLE3"])
+        parser.add_argument("--speculative-num-steps", type=int)
+"""
+
+
+def test_parser_check_script_parses_the_command_with_server_args(tmp_path, monkeypatch):
+    """The check runs the command's arguments through whatever `sglang.srt.server_args.ServerArgs` adds to an
+    argparse parser, and reports that parser's verdict: here a stand-in with three of sglang's flags, on
+    PYTHONPATH, so that the check's own wiring is tested without sglang (the real parser:
+    `test_golden_commands_parse_with_sglang`, with SGLANG_PYTHON)."""
+    package = tmp_path / "sglang" / "srt"
+    package.mkdir(parents=True)
+    for folder in (tmp_path / "sglang", package):
+        (folder / "__init__.py").write_text("")
+    (package / "server_args.py").write_text(STAND_IN_SERVER_ARGS)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    python = sys.executable
+    head = [python, "-m", "sglang.launch_server"]
+    sglang.validate_with_sglang(python, [*head, "--model-path", "/t", "--speculative-algorithm", "EAGLE3"])
+    with pytest.raises(ServingRefused, match=r"(?s)invalid choice: 'EAGLE9'.*command: .*EAGLE9"):
+        sglang.validate_with_sglang(python, [*head, "--model-path", "/t", "--speculative-algorithm", "EAGLE9"])
+    with pytest.raises(ServingRefused, match=r"unrecognized arguments: --speculative-num-draft-tokens"):
+        sglang.validate_with_sglang(python, [*head, "--model-path", "/t", "--speculative-num-draft-tokens", "4"])
+    with pytest.raises(ServingRefused, match=r"argument --speculative-num-steps: invalid int value: 'three'"):
+        sglang.validate_with_sglang(python, [*head, "--model-path", "/t", "--speculative-num-steps", "three"])
+    with pytest.raises(ServingRefused, match=r"the following arguments are required: --model-path"):
+        sglang.validate_with_sglang(python, head)
 
 
 def test_missing_serving_python(tmp_path):

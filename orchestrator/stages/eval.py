@@ -212,7 +212,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             f"trained on ({prov.get('extract_key')}); eval compares the draft on the same validation sequences, so it "
             "needs that extraction"
         )
-    model, tokenizer = load_target(Path(plan.target_dir), cfg.target.trust_remote_code, compute)
+    model, tokenizer = load_target(Path(plan.target_dir), cfg.target.trust_remote_code, compute, cfg.data.chat_template)
     layers = served_layers(cfg, draft_conf)
     steps = cfg.eval.draft_steps
     trained_steps = prov.get("trained_ttt_steps", steps)

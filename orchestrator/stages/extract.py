@@ -26,13 +26,13 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from orchestrator import layers as layer_contract
-from orchestrator.artifacts import atomic_path, file_sha256, read_json, write_json, write_manifest
+from orchestrator.artifacts import ArtifactError, atomic_path, file_sha256, read_json, write_json, write_manifest
 from orchestrator.capture import HiddenStateCapture
 from orchestrator.compute import Compute
 from orchestrator.config import RootConfig, captured_layers
 from orchestrator.data import Rendered, conversations
 from orchestrator.regenerate import Endpoint, regenerate, sequences
-from orchestrator.targets import ensure_target, identity, load_target, load_tokenizer
+from orchestrator.targets import ensure_target, identity, load_target, load_tokenizer, template_source
 
 # Regenerated responses shorter than this on average (tokens) get a warning: a target that stops at once.
 MIN_RESPONSE_TOKENS = 4
@@ -73,12 +73,12 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     regenerate_s = 0.0
     if cfg.data.regenerate.enabled and cfg.data.regenerate.engine == "server" and todo:
         # The serving engine answers first, on the job's GPUs, and is stopped before the target loads onto them.
-        tokenizer = load_tokenizer(target_path, cfg.target.trust_remote_code)
+        tokenizer = load_tokenizer(target_path, cfg.target.trust_remote_code, cfg.data.chat_template)
         with Endpoint(cfg, out / "logs" / f"rank{compute.rank}") as endpoint:
             for split, index in todo:
                 _sequences(None, tokenizer, shards[split][index], split, index, out, cfg, endpoint)
         regenerate_s = time.time() - started
-    model, tokenizer = load_target(target_path, cfg.target.trust_remote_code, compute)
+    model, tokenizer = load_target(target_path, cfg.target.trust_remote_code, compute, cfg.data.chat_template)
     tokens_done = 0
     desc = f"extract (rank {compute.rank}/{compute.world_size})" if compute.distributed else "extract"
     for split, index in tqdm(todo, desc=desc, unit="shard"):
@@ -86,6 +86,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         begin = time.time()
         rendered = _sequences(model, tokenizer, shards[split][index], split, index, out, cfg)
         regenerate_s += time.time() - begin if cfg.data.regenerate.enabled else 0.0
+        check_loss_fraction(rendered, cfg, f"{split} shard {index}", target_path)
         tensors = _extract_chunk(model, tokenizer, rendered, layers, cfg, compute)
         with atomic_path(shard) as tmp:
             save_file(tensors, str(tmp))
@@ -191,6 +192,25 @@ def _token_counts(out: Path, records: list[dict[str, Any]], vocab_size: int) -> 
             ids = f.get_tensor("input_ids").long()[f.get_tensor("loss_mask").bool()]
         counts.index_add_(0, ids, torch.ones_like(ids))
     return counts
+
+
+def check_loss_fraction(rendered: list[Rendered], cfg: RootConfig, where: str, target_path: Path) -> None:
+    """A shard whose loss tokens fall below data.min_loss_fraction is refused before its states are extracted:
+    a draft trained on it would learn from (next to) nothing."""
+    tokens = sum(len(r.loss_mask) for r in rendered)
+    loss = sum(sum(r.loss_mask) for r in rendered)
+    if tokens and loss / tokens < cfg.data.min_loss_fraction:
+        how = (
+            "the target's regenerated responses"
+            if cfg.data.regenerate.enabled
+            else template_source(target_path, cfg.data.chat_template)
+        )
+        raise ArtifactError(
+            f"{where}: {loss} of {tokens} tokens ({loss / tokens:.2%}) are loss (assistant) tokens, below "
+            f"data.min_loss_fraction={cfg.data.min_loss_fraction}, rendered by {how}. Check the mask with "
+            "dry_run=true (it prints one sample's masked text); give a template with data.chat_template=<file>, "
+            "or train on the target's own answers with data.regenerate.enabled=true"
+        )
 
 
 def _sequences(
