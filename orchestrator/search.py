@@ -54,6 +54,7 @@ class SearchConfig:
     study_name: str = MISSING
     storage: Optional[str] = MISSING
     baseline: bool = MISSING
+    baselines: list[list[int]] = MISSING
     prune_metric: str = MISSING
     sampler: dict[str, Any] = MISSING
     pruner: dict[str, Any] = MISSING
@@ -178,6 +179,14 @@ def build_space(search: SearchConfig, base: RootConfig) -> Space:
             f"search.slots={search.slots} (search.candidates={search.candidates}): no point the serving "
             f"engine ({s.engine}, family {t.family}) can capture: {reasons}"
         )
+    for i, point in enumerate(search.baselines):
+        if tuple(point) not in points:
+            try:
+                layer_contract.to_engine_ids(s.engine, point, t.num_hidden_layers, t.family, s.sglang_version)
+                why = f"outside search.slots={search.slots} (ascending, one layer per slot)"
+            except layer_contract.LayerContractError as exc:
+                why = f"the serving engine ({s.engine}) cannot capture it: {exc}"
+            raise SearchError(f"search.baselines[{i}]={point}: not a point the search can run, {why}")
     slots = [sorted({p[i] for p in points}) for i in range(len(ranges))]
     return Space(slots, points, sorted({k for p in points for k in p}))
 
@@ -220,7 +229,8 @@ def union_storage(search: SearchConfig, experiment: dict[str, Any], space: Space
 def smaller_candidates(search: SearchConfig, base: RootConfig, space: Space, size: int) -> list[int] | None:
     """The largest subset of the union, of at most `size` layers, that keeps the baseline's layers (with
     search.baseline) and spreads the others evenly, and still leaves a valid point."""
-    keep = sorted(set(base.aux_layers) & set(space.union)) if search.baseline else []
+    wanted = ({*base.aux_layers} if search.baseline else set()) | {k for p in search.baselines for k in p}
+    keep = sorted(wanted & set(space.union))
     rest = [k for k in space.union if k not in keep]
     for m in range(min(size, len(space.union)) - len(keep), len(search.slots) - len(keep) - 1, -1):
         spread = {rest[round(i * (len(rest) - 1) / max(m - 1, 1))] for i in range(m)} if m > 0 and rest else set()
@@ -404,14 +414,20 @@ class Study:
         for number in interrupted:  # their pipeline runs were left RUNNING by the killed driver
             child = tracking.child_run_id(self.uri, self.parent, self.folder / "trials" / f"{number:04d}")
             tracking.trial_ended(self.uri, child, number, "interrupted")
-        if not self.study.trials and self.search.baseline:
-            baseline = list(self.experiment["aux_layers"])
-            if tuple(baseline) not in self.space.points:
+        if not self.study.trials:
+            own = [list(self.experiment["aux_layers"])] if self.search.baseline else []
+            if own and tuple(own[0]) not in self.space.points:
                 raise SearchError(
-                    f"search.baseline=true but aux_layers={baseline} is not a point of search.slots="
+                    f"search.baseline=true but aux_layers={own[0]} is not a point of search.slots="
                     f"{self.search.slots}: widen the slots or set search.baseline=false"
                 )
-            self.study.enqueue_trial({f"slot_{i}": k for i, k in enumerate(baseline)}, user_attrs={"baseline": True})
+            enqueued: list[list[int]] = []
+            for point in [*own, *map(list, self.search.baselines)]:  # run first, in this order, each once
+                if point not in enqueued:
+                    enqueued.append(point)
+                    self.study.enqueue_trial(
+                        {f"slot_{i}": k for i, k in enumerate(point)}, user_attrs={"baseline": True}
+                    )
         tracking.search_started(
             self.uri,
             self.parent,
@@ -596,7 +612,9 @@ class Study:
         with self.lock:
             rows = trial_rows(self.study)
             best = max((r for r in rows if r["state"] == "complete"), key=lambda r: r["value"], default=None)
-            baseline = next((r for r in rows if r["baseline"] and r["state"] == "complete"), None)
+            baselines = [r for r in rows if r["baseline"] and r["state"] == "complete"]
+            own = list(self.experiment["aux_layers"])
+            baseline = next((r for r in baselines if r["aux_layers"] == own), baselines[0] if baselines else None)
             plot = plot_objective(
                 rows, len(self.space.slots), objective_name(self.base), self.folder / "objective_by_layers.png"
             )
@@ -606,6 +624,7 @@ class Study:
                 "objective": objective_name(self.base),
                 "best": best,
                 "baseline": baseline,
+                "baselines": baselines,
                 "trials": rows,
                 "mlflow_parent_run_id": self.parent,
                 "union": self.space.union,
@@ -748,8 +767,8 @@ def print_result(summary: dict[str, Any]) -> None:
         print(
             f"best: aux_layers={best['aux_layers']} {summary['objective']}={best['value']:.4f} (trial {best['number']})"
         )
-    if baseline:
-        print(f"baseline: aux_layers={baseline['aux_layers']} {summary['objective']}={baseline['value']:.4f}")
+    for row in summary.get("baselines") or ([baseline] if baseline else []):
+        print(f"baseline: aux_layers={row['aux_layers']} {summary['objective']}={row['value']:.4f}")
     print(
         f"MLflow parent run {summary['mlflow_parent_run_id']} ({summary['tracking_uri']}); study {summary['storage']}"
     )

@@ -133,3 +133,21 @@ def test_vllm_ids_are_entering_layer():
 def test_unknown_engine_raises():
     with pytest.raises(L.LayerContractError, match="unknown engine"):
         L.to_engine_ids("tgi", [1, 2, 3], 8, "llama", "1.0")
+
+
+def test_the_kimi_triples_table_in_the_docs_is_the_contracts():
+    """docs/kimi_k25.md's table of Kimi triples gives, per engine, the ids `orchestrator/layers.py` writes."""
+    import json
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "kimi_k25.md").read_text()
+    rows = re.findall(r"^\| `(\[[-\d, ]+\])` \| [^|]+ \| (`\[[-\d, ]+\]`|-) \| (`\[[-\d, ]+\]`|-) \|$", doc, re.M)
+    assert len(rows) == 3, rows
+    for triple, sglang_ids, vllm_ids in rows:
+        for engine, written in (("sglang", sglang_ids), ("vllm", vllm_ids)):
+            try:
+                ids = L.to_engine_ids(engine, json.loads(triple), 61, "kimi_k25", "0.5.23")
+            except L.LayerContractError:
+                ids = None
+            assert (None if written == "-" else json.loads(written.strip("`"))) == ids, (triple, engine)

@@ -111,6 +111,9 @@ def test_sampled_points_are_valid(tmp_path, experiment, space, overrides):
         (["search.prune_metric=loss"], "search.prune_metric='loss'"),
         (["search.prune_metric=acc_9"], "search.prune_metric='acc_9'"),
         (["cluster=debug", "search.n_jobs=2"], "search.n_jobs=2 with cluster=debug"),
+        (["search.baselines=[[1,4,7]]"], "search.baselines[0]=[1, 4, 7]: not a point the search can run, the serving"),
+        (["search.baselines=[[4,1,6]]"], "search.baselines[0]=[4, 1, 6]: .* must be ascending"),
+        (["search.baselines=[[4,5,6]]"], "search.baselines[0]=[4, 5, 6]: not a point the search can run, outside"),
     ],
 )
 def test_bad_search_fails_naming_the_key(tmp_path, overrides, key):
@@ -445,3 +448,19 @@ def test_a_point_proposed_while_it_runs_waits_for_its_outcome(tmp_path, monkeypa
     assert all(t.user_attrs["in_flight_of"] == 0 for t in trials[1:-1])
     assert trials[-1].user_attrs["duplicate_of"] == 0 and trials[-1].value == trials[0].value == 11.0
     assert search.finished_count(_study(tmp_path, "same")) == 2
+
+
+def test_baselines_run_first_each_once(tmp_path, monkeypatch):
+    """The experiment's own layers, then search.baselines (a repeat of the first dropped), run before any sampled
+    point; all are marked baselines, and the summary lists each."""
+    study, calls = _driver_with_fake_chains(
+        tmp_path, monkeypatch, "search.n_trials=3", "search.study_name=bases", "search.baselines=[[0,3,6],[1,4,6]]"
+    )
+    summary = study.run()
+    trials = _study(tmp_path, "bases").trials
+    assert [t.user_attrs["aux_layers"] for t in trials[:2]] == [[1, 4, 6], [0, 3, 6]]
+    assert all(t.user_attrs.get("baseline") for t in trials[:2]) and not trials[2].user_attrs.get("baseline")
+    points = [p for _, p in calls]
+    assert points.count([1, 4, 6]) == 1 and points.count([0, 3, 6]) == 1, calls
+    assert summary["baseline"]["aux_layers"] == [1, 4, 6]
+    assert sorted(r["aux_layers"] for r in summary["baselines"]) == [[0, 3, 6], [1, 4, 6]]
