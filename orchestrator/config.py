@@ -72,6 +72,9 @@ class TargetConfig:
     architecture: str = MISSING
     rope_theta: float = MISSING
     rope_scaling: Optional[dict[str, Any]] = MISSING
+    # Python packages the target's remote code (trust_remote_code: its tokenizer) imports beyond transformers and
+    # tokenizers; the dry run checks each imports. An extra of the project's named after the target declares them.
+    remote_code_imports: list[str] = MISSING
 
 
 @dataclass

@@ -9,6 +9,7 @@ again at stage boundaries. Each finding names its category, what is wrong and th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +133,20 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
             "" if deep else f"raise train.ttt_steps to >= {s.num_steps} or lower serve.num_steps",
         )
     )
+    for module in t.remote_code_imports:  # what the target's remote code (its tokenizer) imports
+        found = importlib.util.find_spec(module) is not None
+        out.append(
+            Finding(
+                "tokenizer",
+                found,
+                f"target.remote_code_imports: {module} {'imports' if found else 'is not installed'} (the target's "
+                "remote code needs it to load its tokenizer)",
+                ""
+                if found
+                else "install it; the project's extras declare it (Kimi-K2.5: pip install -c requirements.lock "
+                "-e '.[kimi]')",
+            )
+        )
     return out
 
 

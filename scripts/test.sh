@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/pip install -q -c requirements.lock -e '.[dev]'
+.venv/bin/pip install -q -c requirements.lock -e '.[dev,kimi]'
 
 state_dir="$PWD/outputs/slurm-test"
 cleanup() { bash scripts/slurm_cluster.sh stop "$state_dir" >/dev/null 2>&1 || true; }

@@ -290,3 +290,13 @@ def test_slurm_gpu_stages_need_the_clusters_gpu_memory(tiny_config, tmp_path):
         run_pipeline(cfg, tmp_path / "run")
     ok = tiny_config("dry_run=true", "cluster=slurm", "extract.resources.gpus_per_node=1", "cluster.gpu_memory_gb=141")
     assert run_pipeline(ok, tmp_path / "ok")["dry_run"]
+
+
+def test_the_targets_remote_code_imports_are_checked_by_the_dry_run(tiny_config, tmp_path):
+    """Kimi-K2.5's tokenizer is remote code importing tiktoken (the `kimi` extra): the dry run checks each package
+    in target.remote_code_imports imports, and names the install when one does not."""
+    findings = preflight.config_findings(tiny_config("target.remote_code_imports=[tiktoken]"))
+    assert [f.ok for f in findings if "target.remote_code_imports" in f.message] == [True]
+    cfg = tiny_config("dry_run=true", "target.remote_code_imports=[no_such_package_xyz]")
+    with pytest.raises(preflight.PreflightError, match=r"no_such_package_xyz is not installed.*\.\[kimi\]"):
+        run_pipeline(cfg, tmp_path / "run")
