@@ -404,6 +404,7 @@ class Study:
         # the sampler proposes again while it runs waits for that outcome instead of running the chain again.
         self.claims_lock = threading.Lock()
         self.in_flight: dict[tuple[int, ...], tuple[int, threading.Event]] = {}
+        self.stopping = threading.Event()  # set by an error that ends the study: no further trial starts
 
     def run(self) -> dict[str, Any]:
         import optuna
@@ -463,15 +464,21 @@ class Study:
 
         with ThreadPoolExecutor(max_workers=min(self.search.n_jobs, n), thread_name_prefix="trial") as pool:
             futures = [pool.submit(self.run_one) for _ in range(n)]
-            for future in futures:
-                future.result()
+            try:
+                for future in futures:
+                    future.result()
+            except BaseException:  # a bug, or Ctrl-C: no further trial starts; those in flight end first
+                self.stopping.set()
+                for future in futures:
+                    future.cancel()
+                raise
 
     def run_one(self) -> None:
         """Asks the study for a trial, runs it and tells its outcome: complete, pruned, or failed (a stage's
         failure, or a point rejected before its jobs: the study goes on). A point another trial is running
         is asked again (`IN_FLIGHT_ASKS`)."""
         for ask in range(IN_FLIGHT_ASKS + 1):
-            if self.run_asked(wait=ask == IN_FLIGHT_ASKS):
+            if self.stopping.is_set() or self.run_asked(wait=ask == IN_FLIGHT_ASKS):
                 return
 
     def run_asked(self, wait: bool) -> bool:
@@ -493,6 +500,7 @@ class Study:
             print(f"[search] trial {trial.number} failed: {first_line}")
             self.tell(trial, state=states.FAIL)
         except BaseException:
+            self.stopping.set()
             self.tell(trial, state=states.FAIL)
             raise
         else:

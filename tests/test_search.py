@@ -464,3 +464,23 @@ def test_baselines_run_first_each_once(tmp_path, monkeypatch):
     assert points.count([1, 4, 6]) == 1 and points.count([0, 3, 6]) == 1, calls
     assert summary["baseline"]["aux_layers"] == [1, 4, 6]
     assert sorted(r["aux_layers"] for r in summary["baselines"]) == [[0, 3, 6], [1, 4, 6]]
+
+
+def test_an_unexpected_error_starts_no_further_trial(tmp_path, monkeypatch):
+    """An error that is not a trial's own failure (a bug, an interrupt) ends the study: the trials not yet
+    started never start."""
+    from orchestrator import pipeline
+
+    study, calls = _driver_with_fake_chains(
+        tmp_path, monkeypatch, "search.n_trials=6", "search.study_name=bug", "search.n_jobs=1"
+    )
+
+    def broken(run_cfg, run_dir, sweep_dir=None, search_trial=None):
+        calls.append((str(run_dir), list(run_cfg.aux_layers)))
+        raise RuntimeError("a bug in a trial")
+
+    monkeypatch.setattr(pipeline, "run_pipeline", broken)
+    with pytest.raises(RuntimeError, match="a bug in a trial"):
+        study.run()
+    assert len(calls) == 1, calls
+    assert [t.state for t in _study(tmp_path, "bug").trials] == [optuna.trial.TrialState.FAIL]
