@@ -26,12 +26,14 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     from orchestrator.pipeline import run_pipeline
     from orchestrator.preflight import PreflightError
+    from orchestrator.runner import SubmissionFailed
+    from orchestrator.tracking import TrackingUnreachable
 
     hc = HydraConfig.get()
     sweep_dir = Path(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
     try:
         result = run_pipeline(root, Path(hc.runtime.output_dir), sweep_dir=sweep_dir)
-    except PreflightError as exc:
+    except (PreflightError, TrackingUnreachable, SubmissionFailed) as exc:  # refused: said in full, no traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(3)
     if result.get("check") and not result["ok"]:

@@ -90,9 +90,19 @@ class Compute:
         torch.distributed.all_reduce(moved, op=op)
         return moved.to(values.device)
 
-    def close(self) -> None:
-        if self._owns_group and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    def close(self, failed: bool = False) -> None:
+        """Ends this process's part of the process group. `failed`: this rank raised, so its peers may be waiting
+        in a collective for it; the group is aborted (not destroyed, which would wait for them) and their pending
+        collectives fail at once with a connection error, instead of blocking until the collective timeout."""
+        if not (self._owns_group and torch.distributed.is_initialized()):
+            return
+        if failed:
+            try:
+                torch.distributed.distributed_c10d._abort_process_group()  # torch's own (experimental) abort
+                return
+            except Exception:  # a backend without abort: destroying the group closes its connections too
+                pass
+        torch.distributed.destroy_process_group()
 
 
 def cpu(dtype: str = "float32") -> Compute:
@@ -100,9 +110,11 @@ def cpu(dtype: str = "float32") -> Compute:
     return Compute(devices=(torch.device("cpu"),), dtype=DTYPES[dtype])
 
 
-def setup(precision: str, gpus_per_node: int, timeout_min: int, what: str) -> Compute:
+def setup(precision: str, gpus_per_node: int, collective_timeout_min: float, what: str) -> Compute:
     """The Compute of this process in a stage job with `gpus_per_node` GPUs; starts the process group when the
-    job has more than one task. `what` names the config node in errors (e.g. "train.resources")."""
+    job has more than one task. A collective (and the group's start-up) that waits longer than
+    `collective_timeout_min` for a peer fails, so a rank that hangs or died ends the job in minutes, not at its
+    time limit. `what` names the config node in errors (e.g. "train.resources")."""
     dtype = DTYPES[resolve_precision(precision, gpus_per_node)]
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -121,7 +133,7 @@ def setup(precision: str, gpus_per_node: int, timeout_min: int, what: str) -> Co
                 backend,
                 rank=rank,
                 world_size=world,
-                timeout=datetime.timedelta(minutes=timeout_min),
+                timeout=datetime.timedelta(minutes=collective_timeout_min),
                 device_id=devices[0] if devices[0].type == "cuda" else None,
             )
             owns = True

@@ -152,6 +152,11 @@ class ExtractConfig:
     max_bytes: float = MISSING
     # What the target computes in (auto: bfloat16 on GPUs, float32 on CPUs); `dtype` is what is stored.
     precision: str = MISSING
+    # Extract every shard again, over an existing (e.g. corrupt) extraction of the same key.
+    force: bool = MISSING
+    # A collective that waits longer than this for a peer fails (the process group's timeout; the job's own time
+    # limit is far longer), so a rank that died or hangs ends a multi-task job in minutes.
+    collective_timeout_min: float = MISSING
     resources: Resources = MISSING
 
 
@@ -177,6 +182,9 @@ class TrainConfig:
     log_every: int = MISSING
     seed: int = MISSING
     threads: Optional[int] = MISSING
+    # A collective that waits longer than this for a peer fails (the process group's timeout; the job's own time
+    # limit is far longer), so a rank that died or hangs ends a multi-task job in minutes.
+    collective_timeout_min: float = MISSING
     resources: Resources = MISSING
 
 
@@ -190,6 +198,9 @@ class EvalConfig:
     acc_tolerance: float = MISSING
     # What the target computes in (auto: bfloat16 on GPUs, float32 on CPUs); the draft runs in its config's dtype.
     precision: str = MISSING
+    # A collective that waits longer than this for a peer fails (the process group's timeout; the job's own time
+    # limit is far longer), so a rank that died or hangs ends a multi-task job in minutes.
+    collective_timeout_min: float = MISSING
     resources: Resources = MISSING
 
 
@@ -222,6 +233,9 @@ class ServeConfig:
     threads: Optional[int] = MISSING
     # The reference engine's target (auto: bfloat16 on GPUs, float32 on CPUs); SGLang is told `serve.dtype`.
     precision: str = MISSING
+    # A collective that waits longer than this for a peer fails (the process group's timeout; the job's own time
+    # limit is far longer), so a rank that died or hangs ends a multi-task job in minutes.
+    collective_timeout_min: float = MISSING
     resources: Resources = MISSING
 
 
@@ -237,6 +251,11 @@ class ClusterConfig:
     wait: bool = MISSING
     # Memory of one of the site's GPUs: dry runs check that a target's weights fit the GPUs a task gets.
     gpu_memory_gb: Optional[float] = MISSING
+    # One node's CPUs (hardware threads Slurm schedules), GPUs and memory (GB); null: not known. A dry run
+    # refuses a stage whose request exceeds one, before a chain is half-submitted and then rejected by sbatch.
+    cpus_per_node: Optional[int] = MISSING
+    gpus_per_node: Optional[int] = MISSING
+    mem_gb_per_node: Optional[float] = MISSING
 
 
 @dataclass
@@ -387,6 +406,11 @@ def check_resources(cfg: RootConfig, stage: str) -> None:
     for key in ("nodes", "cpus_per_task", "timeout_min"):
         if getattr(r, key) < 1:
             raise ConfigError(f"{stage}.resources.{key}={getattr(r, key)}: expected >= 1")
+    if not 0 < node.collective_timeout_min <= r.timeout_min:
+        raise ConfigError(
+            f"{stage}.collective_timeout_min={node.collective_timeout_min}: expected > 0 and at most the job's "
+            f"{stage}.resources.timeout_min={r.timeout_min}"
+        )
     if r.gpus_per_node < 0:
         raise ConfigError(f"{stage}.resources.gpus_per_node={r.gpus_per_node}: expected >= 0")
     tasks = tasks_per_node(cfg, stage)

@@ -45,6 +45,7 @@ def _subtree(cfg: RootConfig, name: str) -> dict[str, Any]:
     so that `auto` on a GPU job and on a CPU job key different outputs)."""
     tree = asdict(getattr(cfg, name))
     resources = tree.pop("resources", None)
+    tree.pop("collective_timeout_min", None)  # how long to wait for a peer decides nothing computed
     if "precision" in tree and resources is not None:
         tree["precision"] = compute_mod.resolve_precision(tree["precision"], resources["gpus_per_node"])
     return tree
@@ -57,6 +58,7 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     extract["layers"] = captured_layers(cfg)  # what is captured decides the output, however it is split
     extract.pop("extra_layers")
     extract.pop("max_bytes")  # a budget, not an input: the same shards whatever it is
+    extract.pop("force")  # how, not what: the same shards again
     data = _subtree(cfg, "data")
     # a user's file edited in place is another data set: its content, not its path, keys the extraction
     data["file_sha256"] = [file_sha256(Path(f)) for f in [*cfg.data.train_files, *cfg.data.val_files]]
@@ -165,7 +167,9 @@ def make_plan(cfg: RootConfig, run_dir: Path) -> Plan:
                 ),
                 "inputs": inputs[stage],
                 "output": str(dirs[stage]),
-                "cached": (dirs[stage] / MANIFEST).exists() and stage in ("extract", "train"),
+                "cached": (dirs[stage] / MANIFEST).exists()
+                and stage in ("extract", "train")
+                and not (stage == "extract" and cfg.extract.force),
                 "layer_ids": stage_layer_ids(cfg, stage),
             }
             | ({"storage": extract_storage(cfg)} if stage == "extract" else {})
@@ -189,7 +193,7 @@ def run_stage(stage: str, cfg: RootConfig, plan: Plan, run_id: str, finalize: bo
     compute = None
     try:
         compute = compute_mod.setup(
-            node.precision, node.resources.gpus_per_node, node.resources.timeout_min, f"{stage}.resources"
+            node.precision, node.resources.gpus_per_node, node.collective_timeout_min, f"{stage}.resources"
         )
         if compute.is_main:
             tracker.params({f"{stage}.{k}": v for k, v in tracking.compute_params(compute.describe()).items()})
@@ -199,11 +203,11 @@ def run_stage(stage: str, cfg: RootConfig, plan: Plan, run_id: str, finalize: bo
             if finalize:
                 finish(cfg, plan, tracker)
     except BaseException as exc:
-        tracker.fail(
-            f"stage {stage}"
-            + (f" (rank {compute.rank})" if compute and compute.distributed else "")
-            + f": {type(exc).__name__}: {exc}"
-        )
+        rank = f" (rank {compute.rank})" if compute and compute.distributed else ""
+        if compute is not None:
+            compute.close(failed=True)  # peers waiting on this rank in a collective fail now, not at the timeout
+            compute = None
+        tracker.fail(f"stage {stage}{rank}: {type(exc).__name__}: {exc}")
         raise
     finally:
         if compute is not None:
@@ -325,6 +329,7 @@ def run_pipeline(
         print(f"dry run: nothing submitted; plan written to {Path(plan.run_dir) / 'plan.json'}")
         return {"dry_run": True, "plan": asdict(plan)}
 
+    tracking.check_reachable(plan.tracking_uri)  # before any job: a run that cannot record its results does not start
     parent = None
     if sweep_dir is not None:
         parent = tracking.sweep_parent_run(plan.tracking_uri, cfg.tracking.experiment, sweep_dir, cfg.run_name)
@@ -342,6 +347,7 @@ def run_pipeline(
     todo = [e for e in plan.stages if not e["cached"]]
     jobs: list[tuple[str, Any]] = []
     dependency: str | None = None
+    finalizer = None  # the job that writes the summary and closes the MLflow run, once submitted
     try:
         for entry in plan.stages:
             stage = entry["stage"]
@@ -351,8 +357,9 @@ def run_pipeline(
                 continue
             with _submission_lock(plan, stage, blocking):
                 # Under the lock, another run's job for the same cached output is seen, or this run's is recorded
-                # before the other looks: two runs (or two trials of a search) never both submit it.
-                if not blocking and (plan.dir(stage) / MANIFEST).exists():
+                # before the other looks: two runs (or two trials of a search) never both submit it. A blocking
+                # run holds the lock until its job ends, so a second one waits, then finds the output complete.
+                if (plan.dir(stage) / MANIFEST).exists() and not (stage == "extract" and cfg.extract.force):
                     print(f"[{stage}] completed by another run meanwhile: {entry['output']}")
                     entry["cached"] = True
                     tracker.tags({f"{stage}.cached": "true"})
@@ -362,7 +369,10 @@ def run_pipeline(
                     print(f"[{stage}] already queued by another run: job {in_flight}")
                     dependency = in_flight
                     continue
-                job = runner.submit(
+                job = _submit_or_cancel(
+                    stage,
+                    jobs,
+                    blocking,
                     cfg.cluster,
                     Path(plan.run_dir) / "jobs",
                     entry["job_name"],
@@ -375,20 +385,24 @@ def run_pipeline(
                     entry is todo[-1],
                     dependency=[dependency] if dependency else None,
                 )
+                finalizer = job if entry is todo[-1] else finalizer
                 jobs.append((stage, job))
                 print(f"[{stage}] submitted job {job.job_id} ({cfg.cluster.kind})")
                 if not blocking:
                     dependency = job.job_id
                     _record_in_flight(cfg, plan, stage, job.job_id)
-            if blocking:
-                runner.wait(job, stage)
+                if blocking:
+                    runner.wait(job, stage)
         if not jobs:
             summary = finish(cfg, plan, tracker)
         elif blocking or cfg.cluster.wait:
             for stage, job in jobs:
                 # Blocking runs followed each log as the job ran; a second follow would print it again.
                 runner.wait(job, stage, follow_log=not blocking)
-            summary = json.loads((Path(plan.run_dir) / "summary.json").read_text())
+            if finalizer is None:  # the last stage was completed by another run meanwhile
+                summary = finish(cfg, plan, tracker)
+            else:
+                summary = json.loads((Path(plan.run_dir) / "summary.json").read_text())
         else:
             return _report_submitted(plan, jobs, tracker.run_id, tracker.url())
     except runner.StageFailed as exc:
@@ -401,6 +415,27 @@ def run_pipeline(
     return summary
 
 
+def _submit_or_cancel(stage: str, jobs: list[tuple[str, Any]], blocking: bool, *args, **kwargs):
+    """`runner.submit`; when the cluster rejects it, this run's jobs queued before it are cancelled (and named):
+    without this stage they would wait for nothing, or run for a chain that cannot finish."""
+    try:
+        return runner.submit(*args, **kwargs)
+    except Exception as exc:
+        if blocking or not jobs:
+            raise
+        cancelled = []
+        for queued, job in jobs:
+            try:
+                job.cancel(check=False)
+                cancelled.append(f"{queued} (job {job.job_id})")
+            except Exception as cancel_exc:  # say so, and go on cancelling the others
+                print(f"[{queued}] could not cancel job {job.job_id}: {cancel_exc}")
+        raise runner.SubmissionFailed(
+            f"submitting stage {stage} failed: {exc}\n"
+            f"cancelled this run's jobs queued before it: {', '.join(cancelled) or 'none'}"
+        ) from exc
+
+
 def _in_flight_record(plan: Plan, stage: str) -> Path | None:
     # Only content-addressed stages (shared between runs) can be in flight for another run.
     return plan.dir(stage) / ".job.json" if stage in ("extract", "train") else None
@@ -408,16 +443,26 @@ def _in_flight_record(plan: Plan, stage: str) -> Path | None:
 
 @contextlib.contextmanager
 def _submission_lock(plan: Plan, stage: str, blocking: bool) -> Iterator[None]:
-    """Held while a queued run looks for another run's job of a shared stage, submits its own and records it."""
+    """Held while a run looks for another run's job of a shared (content-addressed) stage, submits its own and
+    records it; a blocking (local) run holds it until its job ends. The lock is the OS's (fcntl), so a run that
+    is killed releases it."""
     record = _in_flight_record(plan, stage)
-    if blocking or record is None:
+    if record is None:
         yield
         return
-    from filelock import FileLock
+    from filelock import FileLock, Timeout
 
     record.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(record) + ".lock"):
+    lock = FileLock(str(record) + ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"[{stage}] another run is computing {record.parent}: waiting for it (lock {lock.lock_file})", flush=True)
+        lock.acquire()
+    try:
         yield
+    finally:
+        lock.release()
 
 
 def _in_flight(cfg: RootConfig, plan: Plan, stage: str) -> str | None:

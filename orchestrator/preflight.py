@@ -31,6 +31,7 @@ CATEGORIES = (
     "draft steps",
     "storage",
     "memory",
+    "node limits",
 )
 
 
@@ -133,6 +134,7 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
             "" if deep else f"raise train.ttt_steps to >= {s.num_steps} or lower serve.num_steps",
         )
     )
+    out += node_limit_findings(cfg)
     for module in t.remote_code_imports:  # what the target's remote code (its tokenizer) imports
         found = importlib.util.find_spec(module) is not None
         out.append(
@@ -147,6 +149,35 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
                 "-e '.[kimi]')",
             )
         )
+    return out
+
+
+def node_limit_findings(cfg: RootConfig) -> list[Finding]:
+    """Each stage's request against one node of the cluster, where `cluster.*_per_node` says what a node has: a
+    request no node meets is refused by sbatch, after the chain's earlier stages were queued."""
+    c = cfg.cluster
+    out: list[Finding] = []
+    for stage in cfg.stages:
+        r = getattr(cfg, stage).resources
+        tasks = tasks_per_node(cfg, stage)
+        asks = [  # what, asked per node, a node's, the cluster key, the stage key to lower
+            ("CPUs", tasks * r.cpus_per_task, c.cpus_per_node, "cpus_per_node", "cpus_per_task"),
+            ("GPUs", r.gpus_per_node, c.gpus_per_node, "gpus_per_node", "gpus_per_node"),
+            ("GB of memory", r.mem_gb, c.mem_gb_per_node, "mem_gb_per_node", "mem_gb"),
+        ]
+        for what, wanted, has, key, own in asks:
+            if has is None:
+                continue
+            fits = wanted <= has
+            per_task = f" ({tasks} tasks x {r.cpus_per_task})" if own == "cpus_per_task" and tasks > 1 else ""
+            out.append(
+                Finding(
+                    "node limits",
+                    fits,
+                    f"{stage} asks {wanted:g} {what} per node{per_task}; a node has {has:g} (cluster.{key})",
+                    "" if fits else f"lower {stage}.resources.{own} (or its tasks_per_node) to fit one node",
+                )
+            )
     return out
 
 

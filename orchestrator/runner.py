@@ -17,6 +17,10 @@ class StageFailed(RuntimeError):
     """A stage job that raised or died; carries the job's log tail."""
 
 
+class SubmissionFailed(RuntimeError):
+    """The cluster refused a stage job; the run's jobs submitted before it were cancelled."""
+
+
 def executor(
     cluster: ClusterConfig,
     folder: Path,
@@ -69,6 +73,9 @@ def slurm_parameters(
             params[key] = value
     if cluster.setup:
         params["setup"] = list(cluster.setup)
+    # One task that exits with an error ends the job's other tasks: a rank left waiting for a dead peer holds the
+    # GPUs until the time limit otherwise.
+    params["srun_args"] = ["--kill-on-bad-exit=1"]
     if dependency:
         # A failed upstream job cancels its dependents instead of leaving them pending forever.
         params["dependency"] = "afterok:" + ":".join(dependency)
@@ -88,10 +95,17 @@ class StageJob(submitit.helpers.Checkpointable):
     def __call__(self, stage: str, cfg, plan, run_id: str, finalize: bool):
         from orchestrator.pipeline import run_stage
 
-        if submitit.JobEnvironment().num_tasks > 1:
+        env = submitit.JobEnvironment()
+        if env.num_tasks > 1:
             # CUDA_VISIBLE_DEVICES stays the job's: compute.setup splits the node's GPUs between its tasks.
             submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-        return run_stage(stage, cfg, plan, run_id, finalize=finalize)
+        try:
+            return run_stage(stage, cfg, plan, run_id, finalize=finalize)
+        except BaseException as exc:
+            # When one rank fails, its peers fail after it (their collectives are aborted): the time of each
+            # rank's failure tells `wait` which one was the cause.
+            _write_failure(env, {"rank": env.global_rank, "time": time.time(), "error": f"{type(exc).__name__}: {exc}"})
+            raise
 
 
 def submit(
@@ -128,7 +142,64 @@ def wait(job, stage: str, follow_log: bool = True) -> Any:
             tail = "\n".join((job.stderr() or "").splitlines()[-30:])
         except Exception:
             pass
-        raise StageFailed(f"stage {stage} (job {job.job_id}) failed: {exc}\n--- job log tail ---\n{tail}") from None
+        first = first_failure(job)
+        cause = f"rank {first['rank']} failed first: {first['error']}\n" if first else ""
+        raise StageFailed(
+            f"stage {stage} (job {job.job_id}) failed: {cause}{exc}\n--- job log tail ---\n{tail}"
+        ) from None
+
+
+def _write_failure(env, record: dict[str, Any]) -> None:
+    import json
+
+    try:
+        (Path(env.paths.folder) / f"{env.job_id}_{env.global_rank}_failure.json").write_text(json.dumps(record))
+    except Exception:  # no job folder (a debug job), a full disk: nothing may hide the error being raised
+        pass
+
+
+def attempt_id() -> str:
+    """This job attempt's name, the same in all of its tasks: the job id, and Slurm's restart count after a
+    requeue. Outside a job (a test calling a stage itself), "nojob"."""
+    import os
+
+    try:
+        job_id = submitit.JobEnvironment().job_id
+    except Exception:
+        return "nojob"
+    return f"{job_id}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+
+
+def peer_failures() -> list[dict[str, Any]]:
+    """The failure records the tasks of this job have written so far (see `StageJob`), earliest first."""
+    import json
+
+    try:
+        env = submitit.JobEnvironment()
+        paths = list(Path(env.paths.folder).glob(f"{env.job_id}_*_failure.json"))
+    except Exception:
+        return []
+    records = []
+    for path in paths:
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(records, key=lambda r: r["time"])
+
+
+def first_failure(job) -> dict[str, Any] | None:
+    """The failure record of the job's rank that failed first (its peers' errors follow from it), if any rank
+    wrote one."""
+    import json
+
+    records = []
+    for path in Path(job.paths.folder).glob(f"{job.job_id}_*_failure.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return min(records, key=lambda r: r["time"]) if records else None
 
 
 def follow_logs(job, out: TextIO | None = None, err: TextIO | None = None, poll_s: float = 0.3) -> None:

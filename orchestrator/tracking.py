@@ -102,7 +102,9 @@ class Tracker:
         self.client.set_terminated(self.run_id, status)
 
     def fail(self, error: str) -> None:
-        self.tags({"error": error[-PARAM_VALUE_LIMIT:]})
+        if len(error) > PARAM_VALUE_LIMIT:  # the head names the cause (the first failing rank), the tail the log's end
+            error = error[: PARAM_VALUE_LIMIT // 3] + "\n...\n" + error[-(PARAM_VALUE_LIMIT * 2 // 3 - 5) :]
+        self.tags({"error": error})
         self.client.set_terminated(self.run_id, "FAILED")
 
     def get_metrics(self) -> dict[str, float]:
@@ -145,6 +147,36 @@ def ensure_store(uri: str, experiment: str) -> str:
     finally:
         if lock:
             lock.release()
+
+
+class TrackingUnreachable(RuntimeError):
+    """The configured tracking server does not answer: refused before any job is submitted."""
+
+
+def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """A tracking server (http/https URI) must answer its health endpoint within `timeout_s`; MLflow's own client
+    would retry for minutes before saying anything. A file or sqlite store needs no server."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    url = uri.rstrip("/") + "/health"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            response.read()
+    except urllib.error.HTTPError as exc:  # it answered, if not with 200: a server is there
+        if exc.code >= 500:
+            raise TrackingUnreachable(
+                f"tracking.uri={uri}: the tracking server answered {url} with HTTP {exc.code}. Check the server, or "
+                "set tracking.uri=null to log into a sqlite store under outputs_dir"
+            ) from None
+    except (OSError, ValueError) as exc:
+        raise TrackingUnreachable(
+            f"tracking.uri={uri}: no tracking server answers at {url} within {timeout_s:g} s ({exc}); nothing was "
+            "submitted. Start the server (mlflow server ...), fix tracking.uri, or set tracking.uri=null to log into "
+            "a sqlite store under outputs_dir"
+        ) from None
 
 
 def start_pipeline_run(

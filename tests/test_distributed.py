@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from orchestrator.compute import cpu
 from orchestrator.config import ConfigError
 from orchestrator.pipeline import make_plan, run_pipeline
+from orchestrator.runner import StageFailed
 from orchestrator.stages.train import rank_share
 from orchestrator.targets import ensure_target
 
@@ -206,3 +207,30 @@ def test_ranks_the_cluster_cannot_run_are_refused_before_any_job(tiny_config):
         tiny_config("eval.resources.tasks_per_node=2")
     with pytest.raises(ConfigError, match="train.precision='fp8'"):
         tiny_config("train.precision=fp8")
+
+
+def test_an_extraction_rank_that_fails_mid_run_is_named_and_the_rerun_matches(runs, tmp_path, monkeypatch):
+    """Rank 1 of a two-task extraction fails at its first shard; rank 0 finishes its own, sees rank 1's failure
+    record and fails naming it (no collective left waiting). The same command again extracts what is missing,
+    and every shard equals the uninterrupted two-rank run's, bit for bit."""
+    cfg2, _ = runs[2]
+    root = tmp_path / "outputs"
+    targets = cfg2.outputs / "cache" / "targets"
+    shutil.copytree(targets, root / "cache" / "targets", ignore=shutil.ignore_patterns("*.lock"))
+    cfg = compose_config(root, *_overrides(2), "stages=[extract]")
+    faults = Path(__file__).resolve().parent / "faults"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(faults), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    for key, value in {"FAULT_TARGET": "orchestrator.stages.extract:_extract_chunk", "FAULT_RANK": "1"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(StageFailed) as failed:
+        run_pipeline(cfg, tmp_path / "first")
+    assert "rank 1 failed first: RuntimeError: injected fault" in str(failed.value)
+    assert "extraction rank 1 failed" in str(failed.value)  # rank 0's own error names it
+    monkeypatch.delenv("FAULT_TARGET")
+    summary = run_pipeline(cfg, tmp_path / "again")
+    assert 0 < summary["stages"]["extract"]["tokens_extracted_now"] < summary["stages"]["extract"]["tokens"]
+    resumed, uninterrupted = _shards(cfg), _shards(cfg2)
+    assert resumed.keys() == uninterrupted.keys()
+    for name in resumed:
+        for key, tensor in resumed[name].items():
+            assert torch.equal(tensor, uninterrupted[name][key]), f"{name}: {key} differs from the uninterrupted run"

@@ -34,6 +34,8 @@ from orchestrator.data import Rendered, conversations
 from orchestrator.regenerate import Endpoint, regenerate, sequences
 from orchestrator.targets import ensure_target, identity, load_target, load_tokenizer, template_source
 
+# The train stage's record that the shards' checksums were verified (see `stages.train.verify_shards`).
+VERIFIED = ".verified.json"
 # Regenerated responses shorter than this on average (tokens) get a warning: a target that stops at once.
 MIN_RESPONSE_TOKENS = 4
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,11 +67,17 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     mine = [(split, i) for split in shards for i in range(len(shards[split])) if i % compute.world_size == compute.rank]
 
     started = time.time()
-    todo = [
-        (split, i)
-        for split, i in mine
-        if not (_shard(out, split, i).with_suffix(".json").exists() and _shard(out, split, i).exists())
-    ]
+    if cfg.extract.force:  # every shard again; the old manifest goes first, so nothing reads the folder as whole
+        if compute.is_main:
+            for stale in (out / "manifest.json", out / VERIFIED):
+                stale.unlink(missing_ok=True)
+        todo = list(mine)
+    else:
+        todo = [
+            (split, i)
+            for split, i in mine
+            if not (_shard(out, split, i).with_suffix(".json").exists() and _shard(out, split, i).exists())
+        ]
     regenerate_s = 0.0
     if cfg.data.regenerate.enabled and cfg.data.regenerate.engine == "server" and todo:
         # The serving engine answers first, on the job's GPUs, and is stopped before the target loads onto them.
@@ -78,7 +86,11 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             for split, index in todo:
                 _sequences(None, tokenizer, shards[split][index], split, index, out, cfg, endpoint)
         regenerate_s = time.time() - started
-    model, tokenizer = load_target(target_path, cfg.target.trust_remote_code, compute, cfg.data.chat_template)
+    model = tokenizer = None
+    if todo:  # a restarted extraction with every shard done, or a rank with none left, never loads the target
+        model, tokenizer = load_target(target_path, cfg.target.trust_remote_code, compute, cfg.data.chat_template)
+    else:
+        print(f"[extract] rank {compute.rank}: all {len(mine)} of its shards are done; the target is not loaded")
     tokens_done = 0
     desc = f"extract (rank {compute.rank}/{compute.world_size})" if compute.distributed else "extract"
     for split, index in tqdm(todo, desc=desc, unit="shard"):
@@ -103,11 +115,12 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         )
         tokens_done += int(tensors["input_ids"].numel())
     seconds = time.time() - started
-    # Every rank's shards are complete before anyone reads them: the slowest rank's time is the stage's.
-    extracted_now = int(compute.all_reduce_sum(torch.tensor([tokens_done], dtype=torch.float64))[0])
-    slowest = compute.all_reduce_max(torch.tensor([seconds, regenerate_s], dtype=torch.float64))
+    # Every rank's shards are complete before rank 0 reads them: the slowest rank's time is the stage's.
+    done = _join_ranks(out, compute, {"tokens": tokens_done, "seconds": seconds, "regenerate_s": regenerate_s})
     if not compute.is_main:
         return {}
+    extracted_now = sum(d["tokens"] for d in done)
+    slowest = [max(d["seconds"] for d in done), max(d["regenerate_s"] for d in done)]
 
     splits = {}
     for split, chunks in shards.items():
@@ -178,6 +191,35 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     )
     tracker.stage_result("extract", result)
     return result
+
+
+def _join_ranks(out: Path, compute: Compute, mine: dict[str, float], poll_s: float = 2.0) -> list[dict[str, float]]:
+    """Each rank's figures, gathered by rank 0 once every rank has finished its shards. Ranks finish far apart
+    (a restart leaves one rank all its shards and another none; regeneration takes what it takes), longer than
+    a collective may wait (`extract.collective_timeout_min`), so they meet through files, not a collective: each
+    writes `ranks/<attempt>.rank<r>.json`, and rank 0 waits for all of them. A peer that fails says so in its job's
+    failure record, and rank 0 fails at once naming it; a peer killed outright ends the job on Slurm (srun
+    --kill-on-bad-exit)."""
+    from orchestrator import runner
+
+    if not compute.distributed:
+        return [mine]
+    attempt = runner.attempt_id()
+    folder = out / "ranks"
+    write_json(folder / f"{attempt}.rank{compute.rank}.json", mine)
+    if not compute.is_main:
+        return []
+    while True:
+        paths = [folder / f"{attempt}.rank{r}.json" for r in range(compute.world_size)]
+        if all(p.exists() for p in paths):
+            return [read_json(p, "rank record") for p in paths]
+        failed = runner.peer_failures()
+        if failed:
+            raise ArtifactError(
+                f"extraction rank {failed[0]['rank']} failed ({failed[0]['error']}); its shards are not done. The "
+                "finished shards are kept: the same command resumes"
+            )
+        time.sleep(poll_s)
 
 
 def _shard(out: Path, split: str, index: int) -> Path:

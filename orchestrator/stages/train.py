@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from orchestrator import layers as layer_contract
 from orchestrator import pruning
-from orchestrator.artifacts import ArtifactError, atomic_path, file_sha256, write_json, write_manifest
+from orchestrator.artifacts import ArtifactError, atomic_path, file_sha256, read_json, write_json, write_manifest
 from orchestrator.compute import Compute
 from orchestrator.config import RootConfig
 from orchestrator.draft import export as draft_export
@@ -40,6 +40,35 @@ class Sequence:
     teacher: torch.Tensor  # [L, Ht]
 
 
+REEXTRACT = "Delete the extraction ({folder}), or run with extract.force=true, to extract it again"
+
+
+def verify_shards(folder: Path, manifest: dict[str, Any], compute: Compute) -> None:
+    """Every shard's sha256 against the extraction manifest, read once per extraction, not by every rank of every
+    training: rank 0 verifies and writes a stamp (`.verified.json`: each shard's size and modification time then);
+    while the shards keep them, later trainings trust the stamp. The other ranks wait for rank 0's verdict (its
+    error aborts the group, so they fail at once) and then check sizes only (`load_split(verify=False)`)."""
+    from orchestrator.stages.extract import VERIFIED
+
+    folder = Path(folder)
+    if compute.is_main:
+        records = [r for split in ("train", "val") for r in manifest["splits"][split]["shards"]]
+        seen = {}
+        for r in records:
+            st = (folder / r["file"]).stat() if (folder / r["file"]).exists() else None
+            seen[r["file"]] = [st.st_size, st.st_mtime_ns] if st else None
+        stamp = {"manifest_sha256": file_sha256(folder / "manifest.json"), "shards": seen}
+        try:
+            trusted = read_json(folder / VERIFIED, "verification stamp") == stamp
+        except ArtifactError:
+            trusted = False
+        if not trusted:
+            for split in ("train", "val"):
+                load_split(folder, manifest, split, verify=True)  # raises naming the first bad shard
+            write_json(folder / VERIFIED, stamp)
+    compute.barrier()
+
+
 def load_split(
     folder: Path, manifest: dict[str, Any], split: str, layers: list[int] | None = None, verify: bool = True
 ) -> ShardedSplit:
@@ -53,12 +82,15 @@ def load_split(
     for record in manifest["splits"][split]["shards"]:
         path = Path(folder) / record["file"]
         if not path.exists() or path.stat().st_size != record["bytes"]:
+            size = f"{path.stat().st_size} bytes" if path.exists() else "missing"
             raise ArtifactError(
-                f"{path}: missing or of the wrong size (manifest says {record['bytes']} bytes); re-run extraction"
+                f"{path}: {size}, but the extraction manifest says {record['bytes']} bytes: the shard is truncated "
+                f"or was replaced. {REEXTRACT.format(folder=folder)}"
             )
         if verify and file_sha256(path) != record["sha256"]:
             raise ArtifactError(
-                f"{path}: checksum differs from the extraction manifest; the shard is corrupt, re-run extraction"
+                f"{path}: its sha256 differs from the extraction manifest's: the shard is corrupt. "
+                + REEXTRACT.format(folder=folder)
             )
         with safe_open(str(path), framework="pt") as f:
             seq_lens.append(f.get_tensor("seq_lens").long())
@@ -428,8 +460,9 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             f"{extract_dir}/manifest.json: tokenizer_hash {manifest['tokenizer_hash']} differs from the target's "
             f"tokenizer at {target_path} ({tok_hash}); the extracted token ids do not mean the same tokens. Re-extract."
         )
-    train_seqs = load_split(extract_dir, manifest, "train", list(tc.layers))
-    val_seqs = load_split(extract_dir, manifest, "val", list(tc.layers))
+    verify_shards(extract_dir, manifest, compute)
+    train_seqs = load_split(extract_dir, manifest, "train", list(tc.layers), verify=False)
+    val_seqs = load_split(extract_dir, manifest, "val", list(tc.layers), verify=False)
     draft, head = build_draft(cfg, target_path, extract_dir, manifest)
     draft.to(compute.device)
     head.to(compute.device)

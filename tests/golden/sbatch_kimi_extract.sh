@@ -25,4 +25,4 @@ export MLFLOW_TRACKING_URI=http://mlflow.internal:5000
 
 # command
 export SUBMITIT_EXECUTOR=slurm
-srun --unbuffered --output /shared/runs/kimi_eagle3/jobs/%j_%t_log.out --error /shared/runs/kimi_eagle3/jobs/%j_%t_log.err python -u -m submitit.core._submit /shared/runs/kimi_eagle3/jobs
+srun --unbuffered --output /shared/runs/kimi_eagle3/jobs/%j_%t_log.out --error /shared/runs/kimi_eagle3/jobs/%j_%t_log.err --kill-on-bad-exit=1 python -u -m submitit.core._submit /shared/runs/kimi_eagle3/jobs

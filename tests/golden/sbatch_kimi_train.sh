@@ -3,7 +3,7 @@
 # Parameters
 #SBATCH --account=spec-decoding
 #SBATCH --constraint=h100
-#SBATCH --cpus-per-task=32
+#SBATCH --cpus-per-task=24
 #SBATCH --dependency=afterok:1001
 #SBATCH --error=/shared/runs/kimi_eagle3/jobs/%j_0_log.err
 #SBATCH --gpus-per-node=8
@@ -27,4 +27,4 @@ export MLFLOW_TRACKING_URI=http://mlflow.internal:5000
 
 # command
 export SUBMITIT_EXECUTOR=slurm
-srun --unbuffered --output /shared/runs/kimi_eagle3/jobs/%j_%t_log.out --error /shared/runs/kimi_eagle3/jobs/%j_%t_log.err python -u -m submitit.core._submit /shared/runs/kimi_eagle3/jobs
+srun --unbuffered --output /shared/runs/kimi_eagle3/jobs/%j_%t_log.out --error /shared/runs/kimi_eagle3/jobs/%j_%t_log.err --kill-on-bad-exit=1 python -u -m submitit.core._submit /shared/runs/kimi_eagle3/jobs

@@ -363,3 +363,41 @@ def test_two_task_training_requeued_on_sigusr2_resumes_on_both_ranks(slurm_outpu
     logs = {p.name: p.read_text(errors="replace") for p in record.parent.glob(f"jobs/{job_id}_*_log.out")}
     assert sorted(logs) == [f"{job_id}_0_log.out", f"{job_id}_1_log.out"], sorted(logs)
     assert all("resumed from" in text for text in logs.values()), {k: v[-2000:] for k, v in logs.items()}
+
+
+def test_a_chain_rejected_partway_cancels_the_jobs_it_queued(slurm_outputs):
+    """sbatch rejects the train job (64 CPUs on a 2-CPU node) after the extract job was queued: the run cancels
+    the extract job, says so, and exits with an error instead of leaving it queued for nothing."""
+    proc = cli(
+        slurm_outputs, "+experiment=tiny_eagle3", *SLURM_FAST, "stages=[extract,train]",
+        "train.resources.cpus_per_task=64", timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if "submitted job" in line]
+    queued = [line.split("submitted job ")[1].split()[0] for line in lines]
+    assert len(queued) == 1, proc.stdout
+    assert f"cancelled this run's jobs queued before it: extract (job {queued[0]})" in proc.stderr
+    assert "submitting stage train failed" in proc.stderr
+    assert wait_terminal(queued, timeout=120)[queued[0]] == "CANCELLED"
+
+
+def test_a_rank_that_hangs_ends_the_slurm_job_within_the_collective_timeout(slurm_outputs, monkeypatch):
+    """Rank 1 of a two-task training job never returns from its third step. Rank 0's all-reduce times out after
+    train.collective_timeout_min (0.25 here, against the job's 120-minute limit) and fails; srun then ends the
+    hung task (--kill-on-bad-exit), so the job is over in about a minute, not at its time limit."""
+    faults = Path(__file__).resolve().parents[1] / "faults"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(faults), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    for key, value in {"FAULT_TARGET": "orchestrator.stages.train:optimizer_step", "FAULT_RANK": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("FAULT_CALL", "3")
+    monkeypatch.setenv("FAULT_KIND", "hang")
+    started = time.monotonic()
+    proc = cli(
+        slurm_outputs, "+experiment=tiny_eagle3", *SLURM_FAST, "stages=[extract,train]", "train.max_steps=12",
+        "train.resources.tasks_per_node=2", "train.collective_timeout_min=0.25", "cluster.wait=true", timeout=900,
+    )  # fmt: skip
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    output = proc.stdout + proc.stderr
+    assert "stage train" in output and "rank 0 failed first" in output, output[-4000:]
+    assert "timed out" in output.lower() or "timeout" in output.lower(), output[-4000:]
+    assert time.monotonic() - started < 600, "the job ran on past its collective timeout"

@@ -1,0 +1,203 @@
+"""Faults a multi-node run meets, each injected on CPU (the local executor) and survived: a rank that dies in a
+collective, a submission rejected partway, an upstream artifact that is corrupt, work left to do that is none,
+two runs on one cache, a tracking server that does not answer."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAST, compose_config
+from mlflow.tracking import MlflowClient
+
+from orchestrator.artifacts import ArtifactError, file_sha256
+from orchestrator.compute import cpu
+from orchestrator.config import ConfigError
+from orchestrator.pipeline import make_plan, run_pipeline
+from orchestrator.preflight import PreflightError, node_limit_findings
+from orchestrator.runner import StageFailed
+from orchestrator.stages import extract as extract_stage
+from orchestrator.stages import train as train_stage
+from orchestrator.targets import ensure_target, load_target
+from orchestrator.tracking import TrackingUnreachable, tracking_uri
+
+FAULTS = Path(__file__).resolve().parent / "faults"
+
+
+@pytest.fixture
+def inject(monkeypatch):
+    """inject(target, rank, call, kind): the fault of tests/faults/sitecustomize.py in every job started after."""
+
+    def set_fault(target: str, rank: int, call: int = 1, kind: str = "raise") -> None:
+        path = os.pathsep.join([str(FAULTS), *filter(None, [os.environ.get("PYTHONPATH")])])
+        monkeypatch.setenv("PYTHONPATH", path)
+        for key, value in {"FAULT_TARGET": target, "FAULT_RANK": rank, "FAULT_CALL": call, "FAULT_KIND": kind}.items():
+            monkeypatch.setenv(key, str(value))
+
+    return set_fault
+
+
+def test_a_rank_that_fails_mid_training_ends_the_job_at_once_naming_its_error(tiny_config, tmp_path, inject):
+    """Rank 1 of two raises at its third step while rank 0 waits for it in the gradient all-reduce: rank 1 aborts
+    the process group, rank 0's collective fails at once (not after collective_timeout_min, 15 here), and the
+    error the run reports is rank 1's, the cause, not rank 0's broken connection."""
+    cfg = tiny_config(
+        "cluster=local",
+        "stages=[extract,train]",
+        "train.resources.tasks_per_node=2",
+        "train.resources.cpus_per_task=1",
+        "train.seed=11",  # a training of its own: never a cached one
+    )
+    run_pipeline(tiny_config("cluster=local", "stages=[extract]"), tmp_path / "extract")  # shared, usually cached
+    inject("orchestrator.stages.train:optimizer_step", rank=1, call=3)
+    started = time.monotonic()
+    with pytest.raises(StageFailed) as failed:
+        run_pipeline(cfg, tmp_path / "run")
+    seconds = time.monotonic() - started
+    message = str(failed.value)
+    assert "rank 1 failed first: RuntimeError: injected fault: orchestrator.stages.train:optimizer_step" in message
+    assert seconds < 5 * 60, f"the job took {seconds:.0f} s to end"
+    client = MlflowClient(tracking_uri(cfg.tracking.uri, cfg.outputs))
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+    last = client.search_runs([experiment.experiment_id], order_by=["attribute.start_time DESC"], max_results=1)[0]
+    assert last.info.status == "FAILED" and "rank 1 failed first: RuntimeError: injected" in last.data.tags["error"]
+
+
+def test_a_request_no_node_meets_is_refused_by_the_dry_run(tiny_config, tmp_path):
+    """Where the cluster says what one node has, a stage asking more is refused before any job: sbatch would
+    reject it only after the chain's earlier stages were queued."""
+    cfg = tiny_config("cluster=slurm", "cluster.cpus_per_node=2", "train.resources.cpus_per_task=64", "dry_run=true")
+    with pytest.raises(PreflightError) as refused:
+        run_pipeline(cfg, tmp_path / "run")
+    assert "[node limits] train asks 64 CPUs per node; a node has 2 (cluster.cpus_per_node)" in str(refused.value)
+    assert "lower train.resources.cpus_per_task" in str(refused.value)
+    assert not (tmp_path / "run" / "jobs").exists()
+
+
+def test_kimi_requests_fit_a_dgx_node(tiny_config):
+    """kimi_eagle3 on the example site (a DGX H100 node: 224 threads, 8 GPUs): every stage fits one node. Its
+    training asked 8 tasks x 32 CPUs = 256 before, which sbatch refuses there."""
+    cfg = tiny_config("cluster=example_site", experiment="kimi_eagle3", fast=False)
+    limits = node_limit_findings(cfg)
+    assert len(limits) == 3 * len(cfg.stages) and all(f.ok for f in limits), [str(f) for f in limits if not f.ok]
+    assert any("train asks 192 CPUs per node (8 tasks x 24)" in f.message for f in limits)
+
+
+def test_a_tracking_server_that_does_not_answer_is_refused_before_any_job(tiny_config, tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tiny_config("cluster=local", "stages=[extract]", f"tracking.uri=http://127.0.0.1:{port}")
+    started = time.monotonic()
+    with pytest.raises(TrackingUnreachable, match=rf"tracking.uri=http://127.0.0.1:{port}: no tracking server"):
+        run_pipeline(cfg, tmp_path / "run")
+    assert time.monotonic() - started < 30  # MLflow's client alone retries for minutes
+    assert not (tmp_path / "run" / "jobs").exists()
+
+
+def test_collective_timeout_is_checked_against_the_job_limit(tiny_config):
+    with pytest.raises(ConfigError, match="train.collective_timeout_min=200.0: expected > 0 and at most"):
+        tiny_config("train.collective_timeout_min=200", "train.resources.timeout_min=120")
+
+
+@pytest.fixture
+def extraction(tiny_config, tmp_path):
+    """(config, folder) of a finished tiny extraction copied into an outputs folder of its own, with the target."""
+    shared = tiny_config("cluster=local", "stages=[extract]")
+    run_pipeline(shared, tmp_path / "shared")  # the session's, usually cached
+    root = tmp_path / "outputs"
+    for part in ("targets", "extract"):
+        shutil.copytree(
+            shared.outputs / "cache" / part, root / "cache" / part, ignore=shutil.ignore_patterns("*.lock", ".*.json")
+        )
+    cfg = compose_config(root, "cluster=debug", "stages=[extract]")
+    return cfg, make_plan(cfg, tmp_path / "run").dir("extract")
+
+
+def test_an_extraction_with_no_shard_left_does_not_load_the_target(extraction, tmp_path, monkeypatch):
+    """Killed after its last shard, before the manifest: the rerun writes the manifest without loading the
+    target (at Kimi's size, an hour of reads for nothing)."""
+    cfg, folder = extraction
+    before = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").unlink()
+    loads = []
+    monkeypatch.setattr(extract_stage, "load_target", lambda *a, **k: loads.append(a) or load_target(*a, **k))
+    summary = run_pipeline(cfg, tmp_path / "again")
+    assert loads == [] and summary["stages"]["extract"]["tokens_extracted_now"] == 0
+    after = json.loads((folder / "manifest.json").read_text())
+    assert after["splits"] == before["splits"] and after["key"] == before["key"]
+
+
+def test_shards_are_verified_once_and_a_corrupt_one_is_refused_naming_the_fix(extraction, monkeypatch):
+    cfg, folder = extraction
+    manifest = json.loads((folder / "manifest.json").read_text())
+    hashed = []
+    monkeypatch.setattr(train_stage, "file_sha256", lambda p: hashed.append(p) or file_sha256(p))
+    shards = [r["file"] for s in ("train", "val") for r in manifest["splits"][s]["shards"]]
+    train_stage.verify_shards(folder, manifest, cpu())
+    assert len(hashed) == len(shards) + 1  # each shard, and the manifest the stamp is of
+    hashed.clear()
+    train_stage.verify_shards(folder, manifest, cpu())
+    assert len(hashed) == 1, "a second training trusts the stamp: only the manifest is hashed"
+
+    victim = folder / shards[1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit, in place: same size
+    victim.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError) as corrupt:
+        train_stage.verify_shards(folder, manifest, cpu())
+    assert f"{victim}: its sha256 differs" in str(corrupt.value)
+    assert f"Delete the extraction ({folder}), or run with extract.force=true" in str(corrupt.value)
+
+    victim.write_bytes(bytes(data[:-100]))  # truncated: refused by its size alone, on every rank
+    with pytest.raises(ArtifactError, match=rf"{victim}: {len(data) - 100} bytes, but the extraction manifest says"):
+        train_stage.load_split(folder, manifest, "train", verify=False)
+
+
+def test_extract_force_extracts_again_over_a_corrupt_extraction(extraction, tmp_path):
+    cfg, folder = extraction
+    manifest = json.loads((folder / "manifest.json").read_text())
+    shard = folder / manifest["splits"]["val"]["shards"][0]["file"]
+    good = shard.read_bytes()
+    shard.write_bytes(good[:-7] + b"corrupt")
+    forced = compose_config(cfg.outputs, "cluster=debug", "stages=[extract]", "extract.force=true")
+    assert make_plan(forced, tmp_path / "p").stage_keys == make_plan(cfg, tmp_path / "p").stage_keys
+    summary = run_pipeline(forced, tmp_path / "forced")
+    assert summary["stages"]["extract"]["tokens_extracted_now"] == summary["stages"]["extract"]["tokens"]
+    assert shard.read_bytes() == good  # the same states again, bit for bit
+    train_stage.verify_shards(folder, json.loads((folder / "manifest.json").read_text()), cpu())
+
+
+def test_two_runs_started_together_on_one_cache_extract_once(outputs, tiny_config, tmp_path):
+    """Two local runs with the same extraction key, started at the same moment in one outputs folder: one
+    extracts, the other waits on the stage's lock and then takes the finished extraction as cached."""
+    ensure_target(tiny_config(), progress=False)
+    root = tmp_path / "outputs"
+    shutil.copytree(outputs / "cache" / "targets", root / "cache" / "targets", ignore=shutil.ignore_patterns("*.lock"))
+    small = ["data.regenerate.enabled=false", "data.max_train_conversations=48", "data.max_val_conversations=8"]
+    command = [sys.executable, "-m", "orchestrator", "+experiment=tiny_eagle3", f"outputs_dir={root}", *FAST]
+    command += ["cluster=local", "stages=[extract]", *small]
+    runs = [
+        subprocess.Popen(
+            [*command, f"hydra.run.dir={tmp_path / f'run{i}'}"],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
+    outs = [run.communicate(timeout=900)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    submitted = [o for o in outs if "[extract] submitted job" in o]
+    waited = [o for o in outs if "another run is computing" in o and "completed by another run meanwhile" in o]
+    assert len(submitted) == 1 and len(waited) == 1, "\n---\n".join(o[-2000:] for o in outs)
+    folders = list((root / "cache" / "extract").iterdir())
+    assert len(folders) == 1 and (folders[0] / "manifest.json").exists()
