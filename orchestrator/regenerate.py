@@ -22,6 +22,7 @@ from pathlib import Path
 from orchestrator.config import RootConfig
 from orchestrator.data import Rendered, prompt_ids, render
 from orchestrator.serving import client
+from orchestrator.targets import template_source
 
 
 class RegenerateError(RuntimeError):
@@ -41,9 +42,7 @@ def sequences(
     """A split's training sequences: the data set's conversations rendered, or, with `data.regenerate.enabled`,
     the target's own responses to their prompts (seeded by the run's seed and the split)."""
     if not cfg.data.regenerate.enabled:
-        source = (
-            f"data.chat_template={cfg.data.chat_template}" if cfg.data.chat_template else "the target's chat template"
-        )
+        source = template_source(Path(tokenizer.name_or_path), cfg.data.chat_template)
         return [render(tokenizer, c, cfg.data.max_seq_len, source) for c in conversations]
     split_seed = cfg.seed + (0 if split == "train" else 1)
     return regenerate(

@@ -70,6 +70,37 @@ def tiny_config(outputs):
 
 
 @pytest.fixture(scope="session")
+def fast_cache(tiny_config, tmp_path_factory):
+    """fast_cache(*stages) -> the shared outputs folder once the FAST tiny experiment's `stages` are in its cache
+    (run locally the first time any test asks, cached after): tests that need an extraction or a trained draft,
+    not the computing of one, copy them from there (`copy_cache`)."""
+    from orchestrator.pipeline import run_pipeline
+
+    def ensure(*stages: str) -> Path:
+        cfg = tiny_config("cluster=local", f"stages=[{','.join(stages)}]")
+        run_pipeline(cfg, tmp_path_factory.mktemp("fast_cache") / "run")
+        return cfg.outputs
+
+    return ensure
+
+
+def copy_cache(source: Path, dest: Path, parts=("targets", "extract")) -> Path:
+    """The cache folders `parts` of outputs folder `source` copied into `dest` (locks and in-flight job records
+    left behind): a fresh outputs folder in which those stages are cached."""
+    import shutil
+
+    for part in parts:
+        if (source / "cache" / part).exists():
+            shutil.copytree(
+                source / "cache" / part,
+                dest / "cache" / part,
+                ignore=shutil.ignore_patterns("*.lock", ".job.json"),
+                dirs_exist_ok=True,
+            )
+    return dest
+
+
+@pytest.fixture(scope="session")
 def sglang_python() -> str:
     """The python of the separate sglang environment (`SGLANG_PYTHON`, built by scripts/make_sglang_env.sh) for the
     `sglang` tests, which run sglang's own code in a subprocess; they skip without it. Checked once: each call into

@@ -44,7 +44,7 @@ def inject(monkeypatch):
     return set_fault
 
 
-def test_a_rank_that_fails_mid_training_ends_the_job_at_once_naming_its_error(tiny_config, tmp_path, inject):
+def test_a_rank_failing_mid_training_ends_the_job_at_once_naming_its_error(tiny_config, fast_cache, tmp_path, inject):
     """Rank 1 of two raises at its third step while rank 0 waits for it in the gradient all-reduce: rank 1 aborts
     the process group, rank 0's collective fails at once (not after collective_timeout_min, 15 here), and the
     error the run reports is rank 1's, the cause, not rank 0's broken connection."""
@@ -55,7 +55,7 @@ def test_a_rank_that_fails_mid_training_ends_the_job_at_once_naming_its_error(ti
         "train.resources.cpus_per_task=1",
         "train.seed=11",  # a training of its own: never a cached one
     )
-    run_pipeline(tiny_config("cluster=local", "stages=[extract]"), tmp_path / "extract")  # shared, usually cached
+    fast_cache("extract")  # the shared extraction: only training runs
     inject("orchestrator.stages.train:optimizer_step", rank=1, call=3)
     started = time.monotonic()
     with pytest.raises(StageFailed) as failed:
@@ -108,15 +108,13 @@ def test_collective_timeout_is_checked_against_the_job_limit(tiny_config):
 
 
 @pytest.fixture
-def extraction(tiny_config, tmp_path):
-    """(config, folder) of a finished tiny extraction copied into an outputs folder of its own, with the target."""
-    shared = tiny_config("cluster=local", "stages=[extract]")
-    run_pipeline(shared, tmp_path / "shared")  # the session's, usually cached
+def extraction(fast_cache, tmp_path):
+    """(config, folder) of a finished tiny extraction copied into an outputs folder of its own, with the target
+    (and without any verification stamp: hidden files stay behind)."""
+    shared = fast_cache("extract")
     root = tmp_path / "outputs"
     for part in ("targets", "extract"):
-        shutil.copytree(
-            shared.outputs / "cache" / part, root / "cache" / part, ignore=shutil.ignore_patterns("*.lock", ".*.json")
-        )
+        shutil.copytree(shared / "cache" / part, root / "cache" / part, ignore=shutil.ignore_patterns("*.lock", ".*"))
     cfg = compose_config(root, "cluster=debug", "stages=[extract]")
     return cfg, make_plan(cfg, tmp_path / "run").dir("extract")
 

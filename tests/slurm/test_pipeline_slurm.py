@@ -22,7 +22,7 @@ if not os.environ.get("SLURM_CONF") or shutil.which("sbatch") is None:
     pytest.skip("no Slurm cluster (start one with scripts/slurm_cluster.sh start)", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import FAST  # noqa: E402
+from conftest import FAST, copy_cache  # noqa: E402
 
 TERMINAL = {
     "COMPLETED",
@@ -86,6 +86,13 @@ def slurm_outputs(outputs, tmp_path):
     return fresh
 
 
+@pytest.fixture
+def slurm_extracted(slurm_outputs, fast_cache):
+    """`slurm_outputs` with the FAST tiny extraction already in its cache (the Slurm runs' extraction key is the
+    same: resources do not key it), for the tests about training jobs: only those run as jobs."""
+    return copy_cache(fast_cache("extract"), slurm_outputs)
+
+
 def test_pipeline_runs_as_four_dependent_jobs(slurm_outputs):
     proc = cli(
         slurm_outputs, "+experiment=tiny_eagle3", *SLURM_FAST, "train.max_steps=12", "cluster.wait=true", timeout=1200
@@ -100,13 +107,9 @@ def test_pipeline_runs_as_four_dependent_jobs(slurm_outputs):
     submitted = [line for line in proc.stdout.splitlines() if "submitted job" in line]
     assert len(submitted) == 4, proc.stdout
 
-    # The same experiment run locally, from scratch in its own outputs folder, gives the same summary.
-    local_outputs = slurm_outputs.parent / "local_outputs"
-    shutil.copytree(
-        slurm_outputs / "cache" / "targets",
-        local_outputs / "cache" / "targets",
-        ignore=shutil.ignore_patterns("*.lock"),
-    )
+    # The same experiment run locally in its own outputs folder, on the Slurm jobs' extraction, gives the same
+    # summary (extraction's determinism across processes and ranks: tests/test_distributed.py).
+    local_outputs = copy_cache(slurm_outputs, slurm_outputs.parent / "local_outputs")
     local_args = [a if a != "cluster=slurm" else "cluster=local" for a in SLURM_FAST]
     proc = cli(local_outputs, "+experiment=tiny_eagle3", *local_args, "train.max_steps=12", timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -239,13 +242,13 @@ def requeued_training(slurm_outputs: Path, *extra: str) -> tuple[str, Path, Path
     return job_id, record, checkpoint
 
 
-def test_training_requeued_on_sigusr2_resumes_from_checkpoint(slurm_outputs):
-    job_id, record, _ = requeued_training(slurm_outputs)
+def test_training_requeued_on_sigusr2_resumes_from_checkpoint(slurm_extracted):
+    job_id, record, _ = requeued_training(slurm_extracted)
     logs = "".join(p.read_text(errors="replace") for p in record.parent.glob(f"jobs/{job_id}_*"))
     assert "resumed from" in logs, logs[-3000:]
 
 
-def test_training_as_a_two_task_job_reaches_the_one_task_weights(slurm_outputs):
+def test_training_as_a_two_task_job_reaches_the_one_task_weights(slurm_extracted):
     """DDP over two Slurm tasks of one job (gloo on CPUs): each task takes its rank from submitit's task model,
     and the draft equals a one-task job's on the same extraction."""
     import torch
@@ -258,18 +261,18 @@ def test_training_as_a_two_task_job_reaches_the_one_task_weights(slurm_outputs):
         "stages=[extract,train]",
         "train.max_steps=8",
     ]
-    proc = cli(slurm_outputs, *common)
+    proc = cli(slurm_extracted, *common)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the same extraction and target in a second outputs folder: resources do not key the cache, a new folder does
-    two = slurm_outputs.parent / "two"
+    two = slurm_extracted.parent / "two"
     for part in ("targets", "extract"):
         shutil.copytree(
-            slurm_outputs / "cache" / part, two / "cache" / part, ignore=shutil.ignore_patterns("*.lock", ".job.json")
+            slurm_extracted / "cache" / part, two / "cache" / part, ignore=shutil.ignore_patterns("*.lock", ".job.json")
         )
     proc = cli(two, *common, "train.resources.tasks_per_node=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summaries = {}
-    for name, root in (("one", slurm_outputs), ("two", two)):
+    for name, root in (("one", slurm_extracted), ("two", two)):
         summaries[name] = json.loads(max(root.rglob("summary.json"), key=lambda p: p.stat().st_mtime).read_text())
     t1, t2 = summaries["one"]["stages"]["train"], summaries["two"]["stages"]["train"]
     assert t1["compute"]["world_size"] == 1 and t2["compute"] | {} == {
@@ -356,10 +359,10 @@ def test_layer_search_runs_trials_as_parallel_slurm_jobs(slurm_outputs):
     assert states == ["complete", "complete"], [(r.info.run_name, r.data.tags) for r in children]
 
 
-def test_two_task_training_requeued_on_sigusr2_resumes_on_both_ranks(slurm_outputs):
+def test_two_task_training_requeued_on_sigusr2_resumes_on_both_ranks(slurm_extracted):
     """Slurm's pre-emption signal to a 2-task DDP training job: submitit requeues it, both tasks start again under
     the same job id, both resume from rank 0's checkpoint, and the job completes."""
-    job_id, record, _ = requeued_training(slurm_outputs, "train.resources.tasks_per_node=2")
+    job_id, record, _ = requeued_training(slurm_extracted, "train.resources.tasks_per_node=2")
     logs = {p.name: p.read_text(errors="replace") for p in record.parent.glob(f"jobs/{job_id}_*_log.out")}
     assert sorted(logs) == [f"{job_id}_0_log.out", f"{job_id}_1_log.out"], sorted(logs)
     assert all("resumed from" in text for text in logs.values()), {k: v[-2000:] for k, v in logs.items()}
@@ -381,7 +384,7 @@ def test_a_chain_rejected_partway_cancels_the_jobs_it_queued(slurm_outputs):
     assert wait_terminal(queued, timeout=120)[queued[0]] == "CANCELLED"
 
 
-def test_a_rank_that_hangs_ends_the_slurm_job_within_the_collective_timeout(slurm_outputs, monkeypatch):
+def test_a_rank_that_hangs_ends_the_slurm_job_within_the_collective_timeout(slurm_extracted, monkeypatch):
     """Rank 1 of a two-task training job never returns from its third step. Rank 0's all-reduce times out after
     train.collective_timeout_min (0.25 here, against the job's 120-minute limit) and fails; srun then ends the
     hung task (--kill-on-bad-exit), so the job is over in about a minute, not at its time limit."""
@@ -393,7 +396,7 @@ def test_a_rank_that_hangs_ends_the_slurm_job_within_the_collective_timeout(slur
     monkeypatch.setenv("FAULT_KIND", "hang")
     started = time.monotonic()
     proc = cli(
-        slurm_outputs, "+experiment=tiny_eagle3", *SLURM_FAST, "stages=[extract,train]", "train.max_steps=12",
+        slurm_extracted, "+experiment=tiny_eagle3", *SLURM_FAST, "stages=[extract,train]", "train.max_steps=12",
         "train.resources.tasks_per_node=2", "train.collective_timeout_min=0.25", "cluster.wait=true", timeout=900,
     )  # fmt: skip
     assert proc.returncode != 0, proc.stdout[-3000:]
