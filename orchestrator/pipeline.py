@@ -188,7 +188,7 @@ def run_stage(stage: str, cfg: RootConfig, plan: Plan, run_id: str, finalize: bo
     # The job's CPUs decide torch's thread count, not the machine it lands on: float reductions, and so the
     # stage's numbers, are the same on a laptop, a local job and a Slurm job with the same resources.
     torch.set_num_threads(node.resources.cpus_per_task)
-    tracker = tracking.Tracker(plan.tracking_uri, run_id)
+    tracker = tracking.Tracker(plan.tracking_uri, run_id, spool=Path(plan.run_dir) / tracking.SPOOL)
     started = time.time()
     compute = None
     try:

@@ -20,6 +20,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+# A tracking server that went away costs a write a few seconds, not MLflow's default minutes of retries: what
+# could not be written is kept on disk and logged later (`Tracker`, `replay`).
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
 
 from filelock import FileLock  # noqa: E402
 from mlflow.entities import Metric, Param, RunTag  # noqa: E402
@@ -47,36 +52,68 @@ def artifact_root(uri: str, experiment: str) -> str | None:
     return (Path(uri[len("sqlite:///") :]).parent / "mlartifacts" / experiment).resolve().as_uri()
 
 
-class Tracker:
-    """Logs into one existing MLflow run by id."""
+SPOOL = "tracking_spool.jsonl"
 
-    def __init__(self, uri: str, run_id: str):
+
+class Tracker:
+    """Logs into one existing MLflow run by id.
+
+    With a `spool` file, a write the tracking store refuses (a server gone away, a store that errors) does not
+    fail the stage: it is appended to the spool, one JSON line per write, and the run's jobs go on. The next write
+    that succeeds first replays the spool in order; `python -m orchestrator.tracking replay <run_dir>` does it by
+    hand. Without one, a refused write raises."""
+
+    def __init__(self, uri: str, run_id: str, spool: Path | None = None):
         self.uri = uri
         self.run_id = run_id
         self.client = MlflowClient(tracking_uri=uri)
+        self.spool = Path(spool) if spool is not None else None
+
+    def _write(self, kind: str, **payload: Any) -> None:
+        if self.spool is None:
+            _apply(self.client, self.run_id, kind, payload)
+            return
+        try:
+            if self.spool.exists():
+                replay_spool(self.spool, self.client)
+            _apply(self.client, self.run_id, kind, payload)
+        except Exception as exc:
+            if not store_unavailable(exc):  # a write the store refuses on its merits fails as before
+                raise
+            first = not self.spool.exists()
+            self.spool.parent.mkdir(parents=True, exist_ok=True)
+            with self.spool.open("a") as f:  # one short line per write: appends of ranks do not interleave
+                f.write(json.dumps({"run_id": self.run_id, "kind": kind, "payload": payload}) + "\n")
+            if first:
+                print(
+                    f"[tracking] WARNING: {self.uri} refused a write ({type(exc).__name__}: {str(exc)[:200]}); the run "
+                    f"goes on, and its records wait in {self.spool} (logged at the next write that succeeds, or by "
+                    f"python -m orchestrator.tracking replay {self.spool.parent})",
+                    flush=True,
+                )
 
     def metrics(self, metrics: Mapping[str, float], step: int | None = None, prefix: str = "") -> None:
         now = int(time.time() * 1000)
         batch = [
-            Metric(f"{prefix}{k}", float(v), now, step or 0)
+            [f"{prefix}{k}", float(v), now, step or 0]
             for k, v in metrics.items()
             if v is not None and not (isinstance(v, float) and math.isnan(v))
         ]
         for i in range(0, len(batch), 1000):
-            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
+            self._write("metrics", metrics=batch[i : i + 1000])
 
     def params(self, params: Mapping[str, Any]) -> None:
-        items = [Param(k[:250], _param_value(v)) for k, v in params.items()]
+        items = [[k[:250], _param_value(v)] for k, v in params.items()]
         for i in range(0, len(items), BATCH_LIMIT):
-            self.client.log_batch(self.run_id, params=items[i : i + BATCH_LIMIT])
+            self._write("params", params=items[i : i + BATCH_LIMIT])
 
     def tags(self, tags: Mapping[str, Any]) -> None:
-        items = [RunTag(k, _param_value(v)) for k, v in tags.items()]
+        items = [[k, _param_value(v)] for k, v in tags.items()]
         for i in range(0, len(items), BATCH_LIMIT):
-            self.client.log_batch(self.run_id, tags=items[i : i + BATCH_LIMIT])
+            self._write("tags", tags=items[i : i + BATCH_LIMIT])
 
     def artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, str(path), artifact_path)
+        self._write("artifact", path=str(path), artifact_path=artifact_path)
 
     def stage_result(self, stage: str, result: Mapping[str, Any]) -> None:
         """A finished stage's metrics, under the names `stage_metrics` gives them."""
@@ -93,22 +130,82 @@ class Tracker:
         self.tags({NOTE_TAG: markdown})
 
     def rename(self, name: str) -> None:
-        self.client.update_run(self.run_id, name=name)
+        self._write("rename", name=name)
 
     def url(self) -> str:
-        return run_url(self.uri, self.client.get_run(self.run_id).info.experiment_id, self.run_id)
+        try:
+            return run_url(self.uri, self.client.get_run(self.run_id).info.experiment_id, self.run_id)
+        except Exception:  # the store does not answer: the run is still named
+            return f"{self.uri} (run {self.run_id})"
 
     def finish(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status)
+        self._write("terminated", status=status)
 
     def fail(self, error: str) -> None:
         if len(error) > PARAM_VALUE_LIMIT:  # the head names the cause (the first failing rank), the tail the log's end
             error = error[: PARAM_VALUE_LIMIT // 3] + "\n...\n" + error[-(PARAM_VALUE_LIMIT * 2 // 3 - 5) :]
         self.tags({"error": error})
-        self.client.set_terminated(self.run_id, "FAILED")
+        self._write("terminated", status="FAILED")
 
     def get_metrics(self) -> dict[str, float]:
         return dict(self.client.get_run(self.run_id).data.metrics)
+
+
+def store_unavailable(exc: BaseException) -> bool:
+    """Whether an MLflow client error says the store could not be reached (worth keeping the write for later),
+    not that it refused the write itself (a bad value: raised as before)."""
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(exc, MlflowException):
+        # MLflow's REST client wraps a request that never got an answer as "API request to ... failed with
+        # exception ..." (mlflow/utils/rest_utils.py); an overloaded server answers with these codes.
+        busy = exc.error_code in ("TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED")
+        return busy or "failed with exception" in str(exc)
+    return type(exc).__module__.startswith(("requests", "urllib3"))
+
+
+def _apply(client: MlflowClient, run_id: str, kind: str, payload: dict[str, Any]) -> None:
+    """One write of a `Tracker`, as it was asked or as its spool line recorded it."""
+    if kind == "metrics":
+        client.log_batch(run_id, metrics=[Metric(k, v, t, s) for k, v, t, s in payload["metrics"]])
+    elif kind == "params":
+        client.log_batch(run_id, params=[Param(k, v) for k, v in payload["params"]])
+    elif kind == "tags":
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in payload["tags"]])
+    elif kind == "artifact":
+        client.log_artifact(run_id, payload["path"], payload["artifact_path"])
+    elif kind == "rename":
+        client.update_run(run_id, name=payload["name"])
+    elif kind == "terminated":
+        client.set_terminated(run_id, payload["status"])
+    else:
+        raise ValueError(f"unknown tracking write {kind!r}")
+
+
+def replay_spool(spool: Path, client: MlflowClient) -> int:
+    """Logs a spool's writes in their order and removes it; the writes not logged stay (the first failure
+    raises). Returns how many were logged. The spool is moved aside first, so writes spooled meanwhile start a
+    new one."""
+    spool = Path(spool)
+    taken = spool.with_name(f"{spool.name}.{os.getpid()}.replaying")
+    try:
+        os.replace(spool, taken)
+    except FileNotFoundError:
+        return 0
+    lines = taken.read_text().splitlines()
+    for done, line in enumerate(lines):
+        record = json.loads(line)
+        try:
+            _apply(client, record["run_id"], record["kind"], record["payload"])
+        except Exception:
+            with spool.open("a") as f:  # what is left goes back, before anything spooled meanwhile is lost
+                f.write("".join(f"{rest}\n" for rest in lines[done:]))
+            taken.unlink()
+            raise
+    taken.unlink()
+    return len(lines)
 
 
 def _param_value(v: Any) -> str:
@@ -198,7 +295,7 @@ def start_pipeline_run(
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     run = client.create_run(experiment_id, tags=tags)
-    tracker = Tracker(uri, run.info.run_id)
+    tracker = Tracker(uri, run.info.run_id, spool=Path(run_dir) / SPOOL)
     label = run_label(aux_layers, resolved_config.get("seed"), run.info.run_id, cached) if aux_layers else run_name
     tracker.rename(label)
     tracker.params(curated_params(resolved_config))
@@ -562,3 +659,43 @@ def search_note(summary: Mapping[str, Any]) -> str:
         value = "" if r["value"] is None else f"{r['value']:.4f}"
         lines.append(f"| {r['number']} | {layers} | {state} | {value} |")
     return "\n".join(lines) + "\n"
+
+
+def replay(run_dir: Path, uri: str | None = None) -> int:
+    """Logs what a run's jobs could not (`<run_dir>/tracking_spool.jsonl`, and any replay cut short) into the
+    run's tracking store (`plan.json`'s, or `uri`). Returns how many writes were logged."""
+    run_dir = Path(run_dir)
+    spool = run_dir / SPOOL
+    for cut_short in sorted(run_dir.glob(f"{SPOOL}.*.replaying")):  # a replay that died: its lines come first
+        rest = spool.read_text() if spool.exists() else ""
+        spool.write_text(cut_short.read_text() + rest)
+        cut_short.unlink()
+    if uri is None:
+        plan = run_dir / "plan.json"
+        if not plan.exists():
+            raise SystemExit(f"{plan} does not exist: give the tracking URI with --uri")
+        uri = json.loads(plan.read_text())["tracking_uri"]
+    check_reachable(uri)
+    return replay_spool(spool, MlflowClient(tracking_uri=uri))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.tracking")
+    sub = parser.add_subparsers(dest="command", required=True)
+    cmd = sub.add_parser("replay", help="log a run's records kept on disk while its tracking server was away")
+    cmd.add_argument("run_dir", type=Path)
+    cmd.add_argument("--uri", help="the tracking URI (default: the run's, from its plan.json)")
+    args = parser.parse_args(argv)
+    try:
+        logged = replay(args.run_dir, args.uri)
+    except TrackingUnreachable as exc:
+        print(f"error: {exc}")
+        return 3
+    print(f"logged {logged} kept write(s) from {args.run_dir / SPOOL}" if logged else f"nothing kept in {args.run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

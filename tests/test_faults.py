@@ -4,9 +4,11 @@ two runs on one cache, a tracking server that does not answer."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -26,7 +28,8 @@ from orchestrator.runner import StageFailed
 from orchestrator.stages import extract as extract_stage
 from orchestrator.stages import train as train_stage
 from orchestrator.targets import ensure_target, load_target
-from orchestrator.tracking import TrackingUnreachable, tracking_uri
+from orchestrator.tracking import SPOOL, Tracker, TrackingUnreachable, tracking_uri
+from orchestrator.tracking import check_reachable as tracking_check
 
 FAULTS = Path(__file__).resolve().parent / "faults"
 
@@ -199,3 +202,69 @@ def test_two_runs_started_together_on_one_cache_extract_once(outputs, tiny_confi
     assert len(submitted) == 1 and len(waited) == 1, "\n---\n".join(o[-2000:] for o in outs)
     folders = list((root / "cache" / "extract").iterdir())
     assert len(folders) == 1 and (folders[0] / "manifest.json").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def mlflow_server(port: int, store: Path, log: Path):
+    """A real `mlflow server` on `port` over the sqlite `store`, until the block ends."""
+    mlflow = Path(sys.executable).with_name("mlflow")
+    command = [str(mlflow), "server", "--backend-store-uri", f"sqlite:///{store}", "--host", "127.0.0.1"]
+    command += ["--artifacts-destination", str(store.parent / "artifacts"), "--port", str(port), "--workers", "1"]
+    env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    with log.open("a") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                tracking_check(f"http://127.0.0.1:{port}", timeout_s=2)
+                break
+            except TrackingUnreachable:
+                assert time.monotonic() < deadline and server.poll() is None, log.read_text()[-3000:]
+                time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the server and its workers
+        server.wait(30)
+
+
+def test_a_tracking_server_gone_mid_run_loses_nothing(tmp_path):
+    """The server goes away after the run started: the writes meanwhile neither fail the stage nor wait MLflow's
+    minutes of retries; they are kept in the run folder's spool and logged, in order, by the first write after
+    the server is back. A spool can also be replayed by hand, into the server it names or another."""
+    port, store, log, run_dir = _free_port(), tmp_path / "mlflow.db", tmp_path / "server.log", tmp_path / "run"
+    with mlflow_server(port, store, log) as uri:
+        client = MlflowClient(uri)
+        run_id = client.create_run(client.create_experiment("faults")).info.run_id
+        tracker = Tracker(uri, run_id, spool=run_dir / SPOOL)
+        tracker.metrics({"train/loss": 1.5}, step=1)
+    started = time.monotonic()
+    tracker.metrics({"train/loss": 1.25}, step=2)
+    tracker.tags({"phase": "while the server was away"})
+    tracker.finish()
+    assert time.monotonic() - started < 60, "each write gave up in seconds"
+    assert len((run_dir / SPOOL).read_text().splitlines()) == 3
+
+    orphan = Tracker(f"http://127.0.0.1:{_free_port()}", run_id, spool=tmp_path / "other" / SPOOL)
+    orphan.metrics({"eval/acc_0": 0.5})  # a server that never answered: replayed by hand below
+
+    with mlflow_server(port, store, log) as uri:
+        tracker.metrics({"train/loss": 1.0}, step=3)  # replays the spool first
+        assert not (run_dir / SPOOL).exists()
+        replayed = subprocess.run(
+            [sys.executable, "-m", "orchestrator.tracking", "replay", str(tmp_path / "other"), "--uri", uri],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert replayed.returncode == 0 and "logged 1 kept write(s)" in replayed.stdout, replayed.stdout
+        client = MlflowClient(uri)
+        history = client.get_metric_history(run_id, "train/loss")
+        assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(1, 1.5), (2, 1.25), (3, 1.0)]
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED" and run.data.tags["phase"] == "while the server was away"
+        assert run.data.metrics["eval/acc_0"] == 0.5
