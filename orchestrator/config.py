@@ -228,6 +228,9 @@ class ServeConfig:
     startup_timeout_s: float = MISSING
     request_timeout_s: float = MISSING
     accept_length_tolerance: float = MISSING
+    # Where arithmetic is not exact (bf16; an engine that batches), the fraction of greedy output tokens that may
+    # differ with and without speculation before it is flagged; the reference engine in float32 must match exactly.
+    greedy_token_tolerance: float = MISSING
     # Refuse to serve a draft whose config ids do not capture the layers it was trained on.
     guard: bool = MISSING
     threads: Optional[int] = MISSING

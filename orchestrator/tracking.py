@@ -470,6 +470,7 @@ def _serve_metrics(result: Mapping[str, Any]) -> dict[str, float]:
             for k, v in _numbers(row, ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length")).items()
         }
     out["greedy_outputs_identical"] = float(bool(result.get("greedy_outputs_identical")))
+    out |= _numbers(result, ("greedy_differing_token_rate",))
     out["mismatch"] = float(bool(result.get("mismatch")))
     return out
 

@@ -97,6 +97,8 @@ line = {
     "eval_expected_accept_length": stages["eval"].get("expected_accept_length"),
     "served_accept_length": stages["serve"].get("accept_length"),
     "speedup": stages["serve"].get("speedup"),
+    # bf16 on the GPU: the measured rate that serve.greedy_token_tolerance should be set from
+    "greedy_differing_token_rate": stages["serve"].get("greedy_differing_token_rate"),
     "mismatch_flags": summary["mismatch_flags"],
     "bench": bench,
 }

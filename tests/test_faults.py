@@ -27,6 +27,7 @@ from orchestrator.preflight import PreflightError, node_limit_findings
 from orchestrator.runner import StageFailed
 from orchestrator.stages import extract as extract_stage
 from orchestrator.stages import train as train_stage
+from orchestrator.stages.serve import differing_token_rate, exact_arithmetic
 from orchestrator.targets import ensure_target, load_target
 from orchestrator.tracking import SPOOL, Tracker, TrackingUnreachable, tracking_uri
 from orchestrator.tracking import check_reachable as tracking_check
@@ -268,3 +269,14 @@ def test_a_tracking_server_gone_mid_run_loses_nothing(tmp_path):
         run = client.get_run(run_id)
         assert run.info.status == "FINISHED" and run.data.tags["phase"] == "while the server was away"
         assert run.data.metrics["eval/acc_0"] == 0.5
+
+
+def test_greedy_identity_is_exact_in_float32_and_a_measured_rate_elsewhere(tiny_config):
+    """The reference engine in float32 computes verify passes and decode steps alike: any differing token is a
+    bug. In bf16 (and on engines that batch) the rate of differing tokens is held to serve.greedy_token_tolerance."""
+    assert differing_token_rate([[1, 2, 3, 4]], [[1, 2, 3, 4]]) == 0.0
+    assert differing_token_rate([[1, 2, 3, 4], [5, 6]], [[1, 9, 3, 4], [5, 6]]) == 3 / 6  # all after a difference
+    assert differing_token_rate([[1, 2]], [[1, 2, 3, 4]]) == 2 / 4  # a shorter output differs in what it lacks
+    assert exact_arithmetic(tiny_config())
+    assert not exact_arithmetic(tiny_config("serve.precision=bfloat16"))
+    assert not exact_arithmetic(tiny_config("serve=sglang"))

@@ -27,6 +27,7 @@ def test_gpu_check_runs_reduced_on_the_cpu(fast_cache, tmp_path):
     assert line["stage_devices"] == {s: "cpu" for s in ("extract", "train", "eval", "serve")}
     assert line["stage_dtypes"]["train"] == "float32"
     assert line["speedup"] > 0 and line["served_accept_length"] >= 1.0
+    assert line["greedy_differing_token_rate"] == 0.0  # float32 on the CPU: exact
     assert line["bench"], "the benchmark's results are part of the line"
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import read_json, write_json, write_manifest
-from orchestrator.compute import Compute
+from orchestrator.compute import Compute, resolve_precision
 from orchestrator.config import RootConfig
 from orchestrator.data import conversations, prompt_ids
 from orchestrator.serving import client
@@ -63,22 +63,47 @@ def run_server(
     with client.ServerProcess(command, port, log, s.startup_timeout_s) as server:
         client.generate(server, prompts[0], min(8, s.max_new_tokens), s.request_timeout_s)  # warm-up
         client.flush_cache(server)
-        runs = [_median_pass(server, prompts, c, s) for c in s.concurrency]
+        runs = [_median_pass(server, prompts, c, s, exact_arithmetic(cfg)) for c in s.concurrency]
         info = client.server_info(server)
     return {"command": command, "log": str(log), "runs": runs, "server_info": info}
 
 
-def _median_pass(server, prompts: list[list[int]], concurrency: int, s) -> dict[str, Any]:
-    """`serve.repeats` passes over the prompt set; the median pass by tok/s, with every pass's tok/s."""
+def exact_arithmetic(cfg: RootConfig) -> bool:
+    """Whether greedy outputs must agree token for token: the reference engine in float32 (on the CPU: one
+    request at a time, the same kernels for a verify pass and a decode step). In bf16, a 4-token verify pass and
+    1-token decode steps round differently, and an engine that batches (SGLang, vLLM) is not bitwise
+    reproducible: there the rate of differing tokens is held to `serve.greedy_token_tolerance`."""
+    s = cfg.serve
+    return s.engine == "reference" and resolve_precision(s.precision, s.resources.gpus_per_node) == "float32"
+
+
+def differing_token_rate(a: list[list[int]], b: list[list[int]]) -> float:
+    """The fraction of output tokens that differ between two sets of greedy outputs of the same prompts: for each
+    prompt, every token from the first that differs on (greedy decoding follows its own first difference), over
+    the longer output's length."""
+    differing = total = 0
+    for x, y in zip(a, b, strict=True):
+        length = max(len(x), len(y))
+        common = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        differing += length - common
+        total += length
+    return differing / total if total else 0.0
+
+
+def _median_pass(server, prompts: list[list[int]], concurrency: int, s, exact: bool) -> dict[str, Any]:
+    """`serve.repeats` passes over the prompt set; the median pass by tok/s, with every pass's tok/s and the rate
+    of tokens that differ from the first pass."""
     passes = [
         client.benchmark(server, prompts, s.max_new_tokens, concurrency, s.request_timeout_s) for _ in range(s.repeats)
     ]
-    if any(p["output_ids"] != passes[0]["output_ids"] for p in passes):
+    between = max(differing_token_rate(passes[0]["output_ids"], p["output_ids"]) for p in passes)
+    if between and exact:
         raise server.fail(
-            f"greedy outputs differ between passes at concurrency {concurrency}: the server is not deterministic"
+            f"greedy outputs differ between passes at concurrency {concurrency} ({between:.2%} of tokens), in float32 "
+            "on the reference engine, which computes them exactly: the server is not deterministic"
         )
     median = sorted(passes, key=lambda p: p["output_tok_s"])[len(passes) // 2]
-    return median | {"output_tok_s_passes": [p["output_tok_s"] for p in passes]}
+    return median | {"output_tok_s_passes": [p["output_tok_s"] for p in passes], "pass_differing_token_rate": between}
 
 
 def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
@@ -113,9 +138,11 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
 
     per_concurrency = []
     identical = True
+    rates = []
     for base, spec in zip(servers["baseline"]["runs"], servers["speculative"]["runs"]):
         same = base["output_ids"] == spec["output_ids"]
         identical &= same
+        rates.append(differing_token_rate(base["output_ids"], spec["output_ids"]))
         per_concurrency.append(
             {
                 "concurrency": base["concurrency"],
@@ -128,16 +155,31 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
                 "baseline_latency_mean_s": base["latency_mean_s"],
                 "spec_latency_mean_s": spec["latency_mean_s"],
                 "greedy_outputs_identical": same,
+                "greedy_differing_token_rate": rates[-1],
+                "pass_differing_token_rate": max(base["pass_differing_token_rate"], spec["pass_differing_token_rate"]),
             }
         )
     head = per_concurrency[0]
-    if not identical:
-        flags.append("serve: greedy outputs with and without speculation differ: verification is not exact")
+    worst = max(rates)
+    exact = exact_arithmetic(cfg)
+    if exact and not identical:
+        flags.append(
+            f"serve: greedy outputs with and without speculation differ ({worst:.2%} of tokens) in float32 on the "
+            "reference engine, which computes both exactly: verification is not exact"
+        )
+    elif worst > s.greedy_token_tolerance:
+        flags.append(
+            f"serve: {worst:.2%} of greedy output tokens differ with and without speculation, more than "
+            f"serve.greedy_token_tolerance={s.greedy_token_tolerance:.2%} allows for {s.engine} in "
+            f"{resolve_precision(s.precision, s.resources.gpus_per_node)}: verification is not exact"
+        )
     state = servers["speculative"]["server_info"]["internal_states"][0]
     histogram = state.get("spec_accept_histogram")
     result: dict[str, Any] = {k: head[k] for k in ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length")}
     result |= {
         "greedy_outputs_identical": identical,
+        "greedy_differing_token_rate": worst,
+        "greedy_check": "exact" if exact else f"tolerance {s.greedy_token_tolerance:g}",
         "per_concurrency": per_concurrency,
         "eagle_aux_hidden_state_layer_ids": ids,
         "compute": compute.describe(),
