@@ -25,21 +25,53 @@ class ArtifactError(ValueError):
     """An upstream artifact that is missing, unfinished, corrupt or inconsistent with the config."""
 
 
+class DiskFull(ArtifactError):
+    """A write that the disk had no room for; nothing was left under the file's final name."""
+
+
 @contextmanager
-def atomic_path(final: Path) -> Iterator[Path]:
+def atomic_path(final: Path, needs_bytes: int | None = None) -> Iterator[Path]:
     """Yields a temporary path beside `final`; renames it over `final` only if the block succeeds. The file is
-    readable by others (0644, not mkstemp's 0600): an MLflow UI or a colleague may run as another user."""
+    readable by others (0644, not mkstemp's 0600): an MLflow UI or a colleague may run as another user. A full
+    disk raises `DiskFull` naming the file, the bytes it needed (`needs_bytes`, where the caller knows them) and
+    the space left."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    except OSError as exc:
+        _raise_if_full(exc, final, needs_bytes)
+        raise
     os.close(fd)
     try:
         yield Path(tmp)
         os.chmod(tmp, 0o644)
         os.replace(tmp, final)
+    except Exception as exc:  # a writer in Rust or C (safetensors) reports a full disk in its own exception type
+        _raise_if_full(exc, final, needs_bytes)
+        raise
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _raise_if_full(exc: BaseException, final: Path, needs_bytes: int | None) -> None:
+    import errno
+    import shutil
+
+    full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    full = full or any(s in str(exc) for s in ("No space left", "StorageFull", "os error 28", "Disk quota exceeded"))
+    if not full:
+        return
+    try:
+        free = f"{shutil.disk_usage(final.parent).free:,} bytes free there"
+    except OSError:
+        free = "free space unknown"
+    needs = f"{needs_bytes:,} bytes" if needs_bytes is not None else "more space"
+    raise DiskFull(
+        f"{final}: no space left on the device ({str(exc)[:200]}): writing it needs {needs}, {free}. Nothing was "
+        "left under its name; free space (or move outputs_dir) and run the same command: finished work is kept"
+    ) from None
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST, compose_config
+from conftest import FAST, compose_config, copy_cache
 from mlflow.tracking import MlflowClient
 
 from orchestrator.artifacts import ArtifactError, file_sha256
@@ -280,3 +281,42 @@ def test_greedy_identity_is_exact_in_float32_and_a_measured_rate_elsewhere(tiny_
     assert exact_arithmetic(tiny_config())
     assert not exact_arithmetic(tiny_config("serve.precision=bfloat16"))
     assert not exact_arithmetic(tiny_config("serve=sglang"))
+
+
+def test_a_full_disk_fails_extraction_naming_the_bytes_and_a_rerun_resumes(outputs, tiny_config, tmp_path):
+    """The extraction folder on a 6 MB filesystem (a tmpfs of its own): the stage fails naming the shard, the
+    bytes it needed and the space left; no file is left under a final name that its record does not vouch for;
+    once the filesystem has room, the same command extracts the rest and the shards verify."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root (scripts/test.sh runs as root in CI)")
+    ensure_target(tiny_config(), progress=False)
+    root = copy_cache(outputs, tmp_path / "outputs", ("targets",))
+    small = ["data.regenerate.enabled=false", "data.max_train_conversations=64", "extract.shard_conversations=16"]
+    cfg = compose_config(root, "cluster=local", "stages=[extract]", *small)
+    folder = make_plan(cfg, tmp_path / "plan").dir("extract")
+    folder.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode()[:200]}")
+    try:
+        with pytest.raises(StageFailed) as full:
+            run_pipeline(cfg, tmp_path / "full")
+        message = str(full.value)
+        assert "DiskFull" in message and "no space left on the device" in message, message[-3000:]
+        assert "bytes free there" in message and re.search(r"shard_\d{5}\.safetensors: no space", message)
+        needed = int(re.search(r"writing it needs ([\d,]+) bytes", message).group(1).replace(",", ""))
+        assert needed > 0
+        written = sorted(folder.glob("*/shard_*.safetensors"))
+        assert written, "some shards fitted before the disk was full"
+        for shard in written:  # each one whole: its record written after it, its size the recorded one
+            record = json.loads(shard.with_suffix(".json").read_text())
+            assert record["bytes"] == shard.stat().st_size
+        assert not list(folder.rglob("*.tmp")) and not (folder / "manifest.json").exists()
+
+        subprocess.run(["mount", "-o", "remount,size=256m", str(folder)], check=True)  # space freed
+        summary = run_pipeline(cfg, tmp_path / "again")
+        extract = summary["stages"]["extract"]
+        assert 0 < extract["tokens_extracted_now"] < extract["tokens"], "the rerun resumed after the shards that fitted"
+        train_stage.verify_shards(folder, json.loads((folder / "manifest.json").read_text()), cpu())
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)

@@ -100,7 +100,8 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         regenerate_s += time.time() - begin if cfg.data.regenerate.enabled else 0.0
         check_loss_fraction(rendered, cfg, f"{split} shard {index}", target_path)
         tensors = _extract_chunk(model, tokenizer, rendered, layers, cfg, compute)
-        with atomic_path(shard) as tmp:
+        needs = sum(t.numel() * t.element_size() for t in tensors.values())  # the shard's data, without its header
+        with atomic_path(shard, needs_bytes=needs) as tmp:
             save_file(tensors, str(tmp))
         write_json(
             shard.with_suffix(".json"),
