@@ -83,15 +83,20 @@ def test_prefix_mask_equals_the_generation_markers_mask_on_the_corpus(tiny_confi
         assert rendered.loss_mask == list(marked["assistant_masks"]) and sum(rendered.loss_mask) > 0
 
 
-def test_a_shard_below_the_loss_fraction_fails_extraction_naming_the_key(tiny_config, tmp_path):
+def test_a_shard_below_the_loss_fraction_fails_extraction_naming_the_key(outputs, tiny_config, tmp_path):
     """With data.min_loss_fraction above what the template masks, extraction refuses the first shard, naming the
     key and the fixes; no shard is written."""
     import pytest
+    from conftest import compose_config, copy_cache
 
     from orchestrator import runner
     from orchestrator.pipeline import make_plan, run_pipeline
 
-    cfg = tiny_config("stages=[extract]", "cluster=local", "data.min_loss_fraction=0.99")
+    # An outputs folder of its own: the fraction is a check, not part of the extraction's key, so the session's
+    # finished FAST extraction would be taken as cached.
+    ensure_target(tiny_config(), progress=False)
+    root = copy_cache(outputs, tmp_path / "outputs", ("targets",))
+    cfg = compose_config(root, "stages=[extract]", "cluster=local", "data.min_loss_fraction=0.99")
     with pytest.raises(runner.StageFailed, match=r"train shard 0: .* below data\.min_loss_fraction=0\.99"):
         run_pipeline(cfg, tmp_path / "run")
     assert not list(make_plan(cfg, tmp_path / "run").dir("extract").glob("*/shard_*.safetensors"))

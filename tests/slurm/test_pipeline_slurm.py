@@ -153,21 +153,21 @@ def test_sweep_fans_out_then_is_cached_and_a_failing_point_is_isolated(slurm_out
         *SLURM_FAST,
         "train.max_steps=12",
         "stages=[extract,train]",
-        "aux_layers=[1,4,6],[0,3,6],[2,4,5]",
+        "aux_layers=[1,4,6],[0,3,6]",
     ]
     started = time.monotonic()
     proc = cli(slurm_outputs, *sweep)
     submit_seconds = time.monotonic() - started
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(p.read_text()) for p in slurm_outputs.rglob("jobs.json")]
-    assert len(records) == 3
+    assert len(records) == 2
     job_ids = [j for r in records for j in r.values()]
-    assert len(job_ids) == 6
+    assert len(job_ids) == 4
     # Pending jobs reach sacct only once slurmdbd records them; squeue lists every queued job at once.
     in_queue = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
     queued = set(in_queue) | set(sacct_states(job_ids))
     assert set(job_ids) <= queued, "every job of every point is queued when the command returns"
-    print(f"3-point sweep: {len(job_ids)} jobs queued in {submit_seconds:.1f} s")
+    print(f"2-point sweep: {len(job_ids)} jobs queued in {submit_seconds:.1f} s")
     states = wait_terminal(job_ids)
     assert set(states.values()) == {"COMPLETED"}, states
 
@@ -177,15 +177,15 @@ def test_sweep_fans_out_then_is_cached_and_a_failing_point_is_isolated(slurm_out
     runs = client.search_runs([exp.experiment_id])
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
-    assert len(parents) == 1 and len(children) == 3
+    assert len(parents) == 1 and len(children) == 2
     assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
-    assert sorted(c.data.tags["aux_layers"] for c in children) == ["[0, 3, 6]", "[1, 4, 6]", "[2, 4, 5]"]
+    assert sorted(c.data.tags["aux_layers"] for c in children) == ["[0, 3, 6]", "[1, 4, 6]"]
     assert all(c.info.status == "FINISHED" and "train/val_acc_0" in c.data.metrics for c in children)
 
     again = cli(slurm_outputs, *sweep)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "submitted job" not in again.stdout
-    assert again.stdout.count("cached:") == 6, again.stdout
+    assert again.stdout.count("cached:") == 4, again.stdout
 
     # One point fails at run time (its target folder does not exist on the "cluster"); the others are untouched.
     failing = cli(
@@ -240,12 +240,6 @@ def requeued_training(slurm_outputs: Path, *extra: str) -> tuple[str, Path, Path
     assert states[job_id] == "COMPLETED", states
     assert (checkpoint.parent.parent / "manifest.json").exists()
     return job_id, record, checkpoint
-
-
-def test_training_requeued_on_sigusr2_resumes_from_checkpoint(slurm_extracted):
-    job_id, record, _ = requeued_training(slurm_extracted)
-    logs = "".join(p.read_text(errors="replace") for p in record.parent.glob(f"jobs/{job_id}_*"))
-    assert "resumed from" in logs, logs[-3000:]
 
 
 def test_training_as_a_two_task_job_reaches_the_one_task_weights(slurm_extracted):
@@ -369,11 +363,12 @@ def test_two_task_training_requeued_on_sigusr2_resumes_on_both_ranks(slurm_extra
 
 
 def test_a_chain_rejected_partway_cancels_the_jobs_it_queued(slurm_outputs):
-    """sbatch rejects the train job (64 CPUs on a 2-CPU node) after the extract job was queued: the run cancels
-    the extract job, says so, and exits with an error instead of leaving it queued for nothing."""
+    """sbatch rejects the train job (1000 GB on a node of about 21: "Requested node configuration is not
+    available"; this Slurm queues an excess of CPUs instead) after the extract job was queued: the run cancels the
+    extract job, says so, and exits with an error instead of leaving it queued for nothing."""
     proc = cli(
         slurm_outputs, "+experiment=tiny_eagle3", *SLURM_FAST, "stages=[extract,train]",
-        "train.resources.cpus_per_task=64", timeout=300,
+        "train.resources.mem_gb=1000", timeout=300,
     )  # fmt: skip
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if "submitted job" in line]
@@ -386,7 +381,7 @@ def test_a_chain_rejected_partway_cancels_the_jobs_it_queued(slurm_outputs):
 
 def test_a_rank_that_hangs_ends_the_slurm_job_within_the_collective_timeout(slurm_extracted, monkeypatch):
     """Rank 1 of a two-task training job never returns from its third step. Rank 0's all-reduce times out after
-    train.collective_timeout_min (0.25 here, against the job's 120-minute limit) and fails; srun then ends the
+    train.collective_timeout_min (0.5 here, against the job's 120-minute limit) and fails; srun then ends the
     hung task (--kill-on-bad-exit), so the job is over in about a minute, not at its time limit."""
     faults = Path(__file__).resolve().parents[1] / "faults"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(faults), *filter(None, [os.environ.get("PYTHONPATH")])]))
@@ -397,7 +392,7 @@ def test_a_rank_that_hangs_ends_the_slurm_job_within_the_collective_timeout(slur
     started = time.monotonic()
     proc = cli(
         slurm_extracted, "+experiment=tiny_eagle3", *SLURM_FAST, "stages=[extract,train]", "train.max_steps=12",
-        "train.resources.tasks_per_node=2", "train.collective_timeout_min=0.25", "cluster.wait=true", timeout=900,
+        "train.resources.tasks_per_node=2", "train.collective_timeout_min=0.5", "cluster.wait=true", timeout=900,
     )  # fmt: skip
     assert proc.returncode != 0, proc.stdout[-3000:]
     output = proc.stdout + proc.stderr
