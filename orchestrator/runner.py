@@ -172,15 +172,18 @@ def attempt_id() -> str:
 
 def peer_failures() -> list[dict[str, Any]]:
     """The failure records the tasks of this job have written so far (see `StageJob`), earliest first."""
-    import json
-
     try:
         env = submitit.JobEnvironment()
-        paths = list(Path(env.paths.folder).glob(f"{env.job_id}_*_failure.json"))
+        return _failure_records(Path(env.paths.folder), env.job_id)
     except Exception:
         return []
+
+
+def _failure_records(folder: Path, job_id: str) -> list[dict[str, Any]]:
+    import json
+
     records = []
-    for path in paths:
+    for path in folder.glob(f"{job_id}_*_failure.json"):
         try:
             records.append(json.loads(path.read_text()))
         except (OSError, ValueError):
@@ -191,15 +194,8 @@ def peer_failures() -> list[dict[str, Any]]:
 def first_failure(job) -> dict[str, Any] | None:
     """The failure record of the job's rank that failed first (its peers' errors follow from it), if any rank
     wrote one."""
-    import json
-
-    records = []
-    for path in Path(job.paths.folder).glob(f"{job.job_id}_*_failure.json"):
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    return min(records, key=lambda r: r["time"]) if records else None
+    records = _failure_records(Path(job.paths.folder), job.job_id)
+    return records[0] if records else None
 
 
 def follow_logs(job, out: TextIO | None = None, err: TextIO | None = None, poll_s: float = 0.3) -> None:
