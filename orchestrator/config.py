@@ -18,9 +18,12 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from orchestrator import layers as layer_contract
 
+# `${project_root:}`: the checkout's root, where scripts/make_vllm_env.sh builds vLLM's environment by default
+OmegaConf.register_new_resolver("project_root", lambda: str(Path(__file__).resolve().parents[1]), replace=True)
+
 STAGES = ("extract", "train", "eval", "serve")
 FAMILIES = ("llama", "deepseek_v3", "kimi_k25")
-ENGINES = ("reference", "sglang")
+ENGINES = ("reference", "sglang", "vllm")
 CLUSTERS = ("local", "debug", "slurm")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SETS = ("stdlib_chat", "jsonl")
@@ -209,8 +212,13 @@ class ServeConfig:
     layers: list[int] = MISSING
     engine: str = MISSING
     sglang_version: str = MISSING
-    # Python of the separate serving environment (sglang never lives in the project's environment).
+    # The vLLM version serving (serve.engine=vllm): its layer-id rule is recorded per version (orchestrator/layers.py).
+    vllm_version: str = MISSING
+    # Python of the separate serving environment (sglang and vLLM never live in the project's environment).
     python: str = MISSING
+    # An engine to serve with instead when serve.python does not exist (the demo: vLLM where its environment was
+    # built, the reference engine elsewhere); null: none, a missing serve.python is an error. The summary says which.
+    fallback: Optional[str] = MISSING
     num_steps: int = MISSING
     eagle_topk: int = MISSING
     num_draft_tokens: int = MISSING
@@ -240,6 +248,19 @@ class ServeConfig:
     # limit is far longer), so a rank that died or hangs ends a multi-task job in minutes.
     collective_timeout_min: float = MISSING
     resources: Resources = MISSING
+    # Set by `load` when serve.fallback replaced serve.engine: why (the summary and MLflow say so).
+    fallback_reason: Optional[str] = None
+
+    @property
+    def engine_version(self) -> str:
+        """The version whose layer-id rule applies: vLLM's for serve.engine=vllm, else SGLang's (the reference
+        engine reads SGLang's convention)."""
+        return self.vllm_version if self.engine == "vllm" else self.sglang_version
+
+    @property
+    def id_rules(self) -> str:
+        """Whose layer-id rules apply, for messages: 'vllm 0.32.0' or 'sglang 0.5.23'."""
+        return f"{'vllm' if self.engine == 'vllm' else 'sglang'} {self.engine_version}"
 
 
 @dataclass
@@ -312,8 +333,26 @@ def load(cfg: DictConfig | dict) -> RootConfig:
         key = getattr(exc, "full_key", None)
         msg = str(exc).splitlines()[0]
         raise ConfigError(f"config key {key!r}: {msg}" if key else f"config: {msg}") from None
+    apply_fallback(root)
     validate(root)
     return root
+
+
+def apply_fallback(cfg: RootConfig) -> None:
+    """serve.fallback in place of serve.engine when serve.python does not exist on this machine (the demo: vLLM
+    where scripts/make_vllm_env.sh built it, the reference engine elsewhere); `fallback_reason` records why."""
+    s = cfg.serve
+    if s.fallback in (None, s.engine) or s.engine == "reference" or Path(s.python).is_file():
+        return
+    s.fallback_reason = (
+        f"serve.engine={s.engine} needs serve.python={s.python}, which does not exist on this machine"
+        f"{' (build it: bash scripts/make_vllm_env.sh)' if s.engine == 'vllm' else ''}; "
+        f"serving with serve.fallback={s.fallback} instead"
+    )
+    s.engine = s.fallback
+    s.fallback = None
+    if s.engine == "reference":  # it runs in the project's own environment and takes no engine flags
+        s.python, s.extra_args, s.dtype = "python", [], None
 
 
 def validate(cfg: RootConfig) -> None:
@@ -388,8 +427,16 @@ def validate(cfg: RootConfig) -> None:
     )
     if s.engine == "reference":
         check(s.eagle_topk == 1, f"serve.eagle_topk={s.eagle_topk}: the reference engine drafts a chain (topk 1)")
+    if s.engine == "vllm":
+        from orchestrator.serving import vllm as vllm_engine
+
+        vllm_engine.check_args(cfg)
+    check(
+        s.fallback is None or s.fallback in ENGINES,
+        f"serve.fallback={s.fallback!r}: expected null or one of {ENGINES}",
+    )
     try:
-        layer_contract.to_engine_ids(s.engine, cfg.aux_layers, t.num_hidden_layers, t.family, s.sglang_version)
+        layer_contract.to_engine_ids(s.engine, cfg.aux_layers, t.num_hidden_layers, t.family, s.engine_version)
     except layer_contract.LayerContractError as exc:
         raise ConfigError(f"aux_layers={cfg.aux_layers} cannot be served by serve.engine={s.engine}: {exc}") from None
 

@@ -138,11 +138,31 @@ SGLANG_FIRST_ID = IdRule(
     "sglang python/sglang/srt/models/deepseek_v2.py set_eagle3_layers_to_capture after PR #25454: "
     "shift by one only when layer_ids[0] == 1",
 )
+
+
+def _decode_entering_no_embedding(ids: Sequence[int], n: int) -> list[int | None]:
+    # id i = state entering layer i for 1 <= i < N, id N the final pre-norm state; id 0 (the embedding, whose
+    # residual is still None there) captures nothing.
+    return [i - 1 if 1 <= i <= n else None for i in ids]
+
+
 VLLM_ENTERING = IdRule(
     "vllm-entering",
     _decode_entering_with_final,
-    "vLLM / speculators: id k = state entering layer k, k == N the final pre-norm state",
+    "vllm vllm/model_executor/models/llama.py LlamaModel.forward: EagleModelMixin._maybe_add_hidden_state records "
+    "the embedding as id start_layer (0) and the state after layer idx as id idx + 1, so id k = state entering "
+    "layer k and id N the final pre-norm state (checked in vllm 0.32.0; speculators writes the same ids)",
 )
+VLLM_DEEPSEEK = IdRule(
+    "vllm-deepseek-entering",
+    _decode_entering_no_embedding,
+    "vllm vllm/model_executor/models/deepseek_v2.py DeepseekV2Model.forward: `if idx in aux_hidden_state_layers` "
+    "records hidden_states + residual before layer idx runs (residual is None before layer 0, so id 0 fails), and "
+    "`if self.end_layer in aux_hidden_state_layers` the state after the last layer; Kimi-K2.5's language model is "
+    "this model (checked in vllm 0.32.0)",
+)
+# The vLLM versions whose capture loops were read for the rules above; another version has no recorded rule.
+VLLM_CHECKED = (0, 32)
 
 # SGLang versions that include PR #25454 (the first-id rule for the DeepSeek/Kimi family).
 SGLANG_FIRST_ID_SINCE = (0, 5, 13)
@@ -169,8 +189,21 @@ def engine_rule(engine: str, family: str, version: str | None) -> IdRule:
         if version is None:
             raise LayerContractError(f"SGLang's id rule for {family} depends on the version; set serve.sglang_version")
         return SGLANG_FIRST_ID if parse_version(version) >= SGLANG_FIRST_ID_SINCE else SGLANG_SHIFT
-    if engine in ("vllm", "speculators"):
+    if engine == "speculators":
         return VLLM_ENTERING
+    if engine == "vllm":
+        if version is None or parse_version(version)[:2] != VLLM_CHECKED:
+            checked = ".".join(map(str, VLLM_CHECKED))
+            raise LayerContractError(
+                f"no vLLM layer-id rule recorded for version {version!r} (read from vLLM's source for {checked}.x); "
+                f"set serve.vllm_version={checked}.0 and serve with that version, or record the new version's rule "
+                "in orchestrator/layers.py from its model code"
+            )
+        if family not in SGLANG_FAMILIES:
+            raise LayerContractError(
+                f"no vLLM layer-id rule recorded for model family {family!r}; known: {SGLANG_FAMILIES}"
+            )
+        return VLLM_ENTERING if family == "llama" else VLLM_DEEPSEEK
     if engine == "hf":
         raise LayerContractError("HF capture uses hook points, not ids: see hf_capture_point")
     raise LayerContractError(f"unknown engine {engine!r}; expected sglang, vllm or speculators")
@@ -197,11 +230,13 @@ def _why_not(rule: IdRule, layers: list[int], num_layers: int, candidates: list[
 
     tried = "; ".join(f"ids {ids} would capture [{captured(ids)}]" for ids in candidates)
     hint = ""
-    if num_layers - 1 in layers and rule is not VLLM_ENTERING:
+    if num_layers - 1 in layers and rule not in (VLLM_ENTERING, VLLM_DEEPSEEK):
         hint = (
             f" The last decoder layer ({num_layers - 1}) is never captured by this engine; "
             f"use {num_layers - 2} or lower."
         )
+    elif rule is VLLM_DEEPSEEK and EMBEDDING in layers:
+        hint = " vLLM captures no embedding output for this family (id 0 fails there); start with layer 0 or above."
     elif rule is SGLANG_FIRST_ID and layers and layers[0] == 0:
         hint = " With this rule the output of layer 0 cannot be the first aux layer; start with -1 (embedding) or 1."
     return (
@@ -220,12 +255,18 @@ def from_sglang_ids(ids: Sequence[int], num_layers: int, family: str, version: s
     return captured_layers(engine_rule("sglang", family, version), ids, num_layers)
 
 
-def to_vllm_ids(layers: Sequence[int], num_layers: int) -> list[int]:
-    return encode(VLLM_ENTERING, layers, num_layers)
+def to_vllm_ids(layers: Sequence[int], num_layers: int, family: str = "llama", version: str = "0.32.0") -> list[int]:
+    return encode(engine_rule("vllm", family, version), layers, num_layers)
 
 
-def from_vllm_ids(ids: Sequence[int], num_layers: int) -> list[int]:
-    return captured_layers(VLLM_ENTERING, ids, num_layers)
+def from_vllm_ids(ids: Sequence[int], num_layers: int, family: str = "llama", version: str = "0.32.0") -> list[int]:
+    return captured_layers(engine_rule("vllm", family, version), ids, num_layers)
+
+
+def id_convention(engine: str) -> str:
+    """The engine whose id convention a draft config for `engine` is written in (the reference engine reads
+    SGLang's): two drafts for engines of one convention are interchangeable, of two conventions they are not."""
+    return "sglang" if engine == "reference" else engine
 
 
 def to_engine_ids(engine: str, layers: Sequence[int], num_layers: int, family: str, version: str | None) -> list[int]:

@@ -78,7 +78,6 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
             "extract": keys["extract"],
             "draft": _subtree(cfg, "draft"),
             "train": _subtree(cfg, "train"),
-            "serve_ids": preflight.serve_ids(cfg, cfg.train.layers),
             "code": CODE_VERSION["train"],
         }
     )
@@ -110,7 +109,7 @@ def stage_layer_ids(cfg: RootConfig, stage: str) -> dict[str, Any]:
         }
     if stage == "train":
         return {"convention": "canonical", "aux_layers": list(cfg.train.layers)}
-    engine = f"{cfg.serve.engine} (sglang {cfg.serve.sglang_version} rules, family {cfg.target.family})"
+    engine = f"{cfg.serve.engine} ({cfg.serve.id_rules} rules, family {cfg.target.family})"
     if stage == "eval":
         return {
             "convention": "draft config ids, read as serving reads them",
@@ -122,7 +121,7 @@ def stage_layer_ids(cfg: RootConfig, stage: str) -> dict[str, Any]:
         "convention": engine,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
         "captures_canonical": layer_contract.from_engine_ids(
-            cfg.serve.engine, ids, n, cfg.target.family, cfg.serve.sglang_version
+            cfg.serve.engine, ids, n, cfg.target.family, cfg.serve.engine_version
         ),
     }
 

@@ -57,14 +57,14 @@ class PreflightError(ValueError):
 def serve_ids(cfg: RootConfig, layers: list[int]) -> list[int]:
     """The draft-config ids that make the configured serving engine capture canonical `layers`."""
     t, s = cfg.target, cfg.serve
-    return layer_contract.to_engine_ids(s.engine, layers, t.num_hidden_layers, t.family, s.sglang_version)
+    return layer_contract.to_engine_ids(s.engine, layers, t.num_hidden_layers, t.family, s.engine_version)
 
 
 def config_findings(cfg: RootConfig) -> list[Finding]:
     t, s = cfg.target, cfg.serve
     out: list[Finding] = []
     n = t.num_hidden_layers
-    rule = f"{s.engine} / {t.family} / sglang {s.sglang_version}"
+    rule = f"{s.engine} / {t.family} / {s.id_rules}"
     try:
         ids = serve_ids(cfg, list(cfg.aux_layers))
         out.append(Finding("layer ids", True, f"aux_layers={cfg.aux_layers} -> draft config ids {ids} ({rule})"))
@@ -73,10 +73,10 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
     if list(s.layers) != list(cfg.aux_layers):
         try:
             captured = layer_contract.from_engine_ids(
-                s.engine, serve_ids(cfg, list(s.layers)), n, t.family, s.sglang_version
+                s.engine, serve_ids(cfg, list(s.layers)), n, t.family, s.engine_version
             )
         except layer_contract.LayerContractError:
-            captured = layer_contract.from_engine_ids(s.engine, list(s.layers), n, t.family, s.sglang_version)
+            captured = layer_contract.from_engine_ids(s.engine, list(s.layers), n, t.family, s.engine_version)
         out.append(
             Finding(
                 "layer ids",
@@ -324,8 +324,10 @@ def extraction_findings(cfg: RootConfig, extract_dir: Path, target_dir: Path | N
     return out
 
 
-def draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path | None) -> list[Finding]:
-    """The draft directory against SGLang's rules, the trained layers, tokenizer and TTT depth."""
+def draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path | None, as_served: bool = False) -> list[Finding]:
+    """The draft directory against SGLang's rules, the trained layers, tokenizer and TTT depth. `as_served`: the
+    plan's own trained draft, which the serve stage rewrites for its engine (stages.serve.served_draft_dir), so
+    its ids are checked as they will be written, serve.layers in serve.engine's convention."""
     from orchestrator.draft import export as draft_export
     from orchestrator.serving import sglang as sglang_engine
     from orchestrator.targets import target_config_json, tokenizer_hash
@@ -346,6 +348,11 @@ def draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path | None) ->
     ids = (conf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if not isinstance(ids, list):
         return out  # already reported by the validator
+    if as_served:
+        try:
+            ids = serve_ids(cfg, list(cfg.serve.layers))
+        except layer_contract.LayerContractError:
+            ids = list(cfg.serve.layers)  # written as-is (stages.serve._ids_as_written), refused below
     prov_path = draft_dir / draft_export.PROVENANCE
     if not prov_path.exists():
         out.append(
@@ -360,6 +367,8 @@ def draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path | None) ->
     prov = read_json(prov_path, "draft provenance")
     s = cfg.serve
     try:
+        if not as_served:
+            sglang_engine.check_exported_engine(cfg, prov, ids, where=f"draft {draft_dir}")
         sglang_engine.check_layer_ids(cfg, ids, prov["aux_layers"], where=f"draft {draft_dir}")
         out.append(
             Finding("layer ids", True, f"{draft_dir}: ids {ids} capture the trained aux_layers {prov['aux_layers']}")
@@ -405,7 +414,7 @@ def run_checks(cfg: RootConfig, plan, draft_dir: str | None = None) -> list[Find
         findings += extraction_findings(cfg, extract_dir, target_dir)
     draft = Path(draft_dir) if draft_dir else plan.dir("train") / "draft"
     if (draft / "config.json").exists():
-        findings += draft_findings(cfg, draft, target_dir)
+        findings += draft_findings(cfg, draft, target_dir, as_served=not draft_dir)
     elif draft_dir:
         findings.append(Finding("draft config", False, f"check_draft={draft_dir}: no config.json there"))
     return findings

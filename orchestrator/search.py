@@ -169,7 +169,7 @@ def build_space(search: SearchConfig, base: RootConfig) -> Space:
     points, why_not = [], {}
     for point in _ascending(ranges):
         try:
-            layer_contract.to_engine_ids(s.engine, point, t.num_hidden_layers, t.family, s.sglang_version)
+            layer_contract.to_engine_ids(s.engine, point, t.num_hidden_layers, t.family, s.engine_version)
             points.append(point)
         except layer_contract.LayerContractError as exc:
             why_not.setdefault(str(exc).split(":")[0], str(exc))
@@ -182,7 +182,7 @@ def build_space(search: SearchConfig, base: RootConfig) -> Space:
     for i, point in enumerate(search.baselines):
         if tuple(point) not in points:
             try:
-                layer_contract.to_engine_ids(s.engine, point, t.num_hidden_layers, t.family, s.sglang_version)
+                layer_contract.to_engine_ids(s.engine, point, t.num_hidden_layers, t.family, s.engine_version)
                 why = f"outside search.slots={search.slots} (ascending, one layer per slot)"
             except layer_contract.LayerContractError as exc:
                 why = f"the serving engine ({s.engine}) cannot capture it: {exc}"

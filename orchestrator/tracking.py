@@ -464,6 +464,8 @@ def _serve_metrics(result: Mapping[str, Any]) -> dict[str, float]:
         out |= _numbers(head, ("baseline_latency_mean_s", "spec_latency_mean_s")) | _spread(head)
     out |= {k: float(v) for k, v in result.items() if k.endswith("_ms") and isinstance(v, (int, float))}
     out |= {f"accept_rate_{i}": r for i, r in enumerate(result.get("accept_rate_by_position", []))}
+    out |= {f"acceptance_{i}": r for i, r in enumerate(result.get("acceptance_by_position", []))}
+    out |= _numbers(result, tuple(f"{m}_{k}" for m in ("baseline", "spec") for k in ("ttft_mean_s", "itl_mean_s")))
     for row in rows[1:]:  # the headline is the first concurrency; others get their own names
         out |= {
             f"c{row['concurrency']}_{k}": v

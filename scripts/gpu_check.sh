@@ -38,7 +38,7 @@ if [ "$mode" = cuda ]; then
 else
   gpus=0
   # the test suite's reduced tiny experiment (tests/conftest.py FAST)
-  demo=(target.tiny.train.steps=60 target.tiny.train.max_files=80 data.max_files=80 data.max_train_conversations=96
+  demo=(serve=reference target.tiny.train.steps=60 target.tiny.train.max_files=80 data.max_files=80 data.max_train_conversations=96
         data.max_val_conversations=16 data.max_seq_len=160 extract.shard_conversations=32 train.max_steps=16
         train.val_every=8 train.checkpoint_every=4 train.log_every=4 eval.max_conversations=8 serve.prompts=4
         serve.max_new_tokens=24 serve.concurrency=[1] serve.repeats=1)

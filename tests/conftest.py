@@ -17,6 +17,8 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 # The tiny Llama, trained briefly on a sample of the corpus, with a short draft training: exercises every
 # code path of every stage; the full-size demo is `python -m orchestrator +experiment=tiny_eagle3`.
 FAST = [
+    # the reference engine: exact in float32 and seconds to start; vLLM serves in the `vllm` tests (test_vllm.py)
+    "serve=reference",
     "target.tiny.train.steps=60",
     "target.tiny.train.max_files=80",
     "data.max_files=80",
@@ -46,12 +48,23 @@ def user_overrides(overrides) -> list[str]:
     return [f"data.train_files=[{SAMPLE_DATA}]", "cluster.gpu_memory_gb=141", *overrides]
 
 
+def fast_overrides(overrides) -> list[str]:
+    """FAST, less its engine choice where `overrides` choose one (a config group takes one value)."""
+    chooses = any(o.startswith("serve=") for o in overrides)
+    return [o for o in FAST if not (chooses and o.startswith("serve="))]
+
+
 def compose_config(outputs: Path, *overrides: str, experiment: str = "tiny_eagle3", fast: bool = True) -> RootConfig:
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         raw = compose(
             "config",
             overrides=user_overrides(
-                [f"+experiment={experiment}", f"outputs_dir={outputs}", *(FAST if fast else []), *overrides]
+                [
+                    f"+experiment={experiment}",
+                    f"outputs_dir={outputs}",
+                    *(fast_overrides(overrides) if fast else []),
+                    *overrides,
+                ]
             ),
         )
     return load(raw)

@@ -76,7 +76,7 @@ def test_stage_configs_do_not_repeat_the_layer_list():
         ("serve.num_steps=0", "serve.num_steps=0: expected >= 1"),
         ("serve.eagle_topk=0", "serve.eagle_topk=0: expected >= 1"),
         ("serve.eagle_topk=4", "serve.eagle_topk=4: the reference engine drafts a chain"),
-        ("serve.engine=vllm", "serve.engine"),
+        ("serve.engine=tgi", "serve.engine"),
         ("stages=[train]", "prefix"),
         ("extract.teacher=logits", "extract.teacher='logits': expected one of"),
         ("serve.repeats=0", "serve.repeats"),

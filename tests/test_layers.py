@@ -130,6 +130,23 @@ def test_vllm_ids_are_entering_layer():
     assert L.from_vllm_ids([3, 31, 61], 61) == [2, 30, 60]
 
 
+def test_vllm_rules_are_read_from_its_model_code_per_family_and_version():
+    """vLLM 0.32's capture loops (vllm/model_executor/models/llama.py and deepseek_v2.py): Llama records the
+    embedding as id 0, DeepSeek/Kimi fails there; both record the final state as id N; an unread version has no
+    rule."""
+    assert L.to_engine_ids("vllm", [-1, 3, 7], 8, "llama", "0.32.0") == [0, 4, 8]
+    assert L.to_engine_ids("vllm", [0, 3, 7], 8, "deepseek_v3", "0.32.1") == [1, 4, 8]
+    with pytest.raises(L.LayerContractError, match="no embedding output for this family"):
+        L.to_engine_ids("vllm", [-1, 3, 7], 8, "kimi_k25", "0.32.0")
+    assert L.from_engine_ids("vllm", [0, 4], 8, "deepseek_v3", "0.32.0") == [3]
+    with pytest.raises(L.LayerContractError, match="no vLLM layer-id rule recorded for version '0.31.0'"):
+        L.to_engine_ids("vllm", [1, 4, 6], 8, "llama", "0.31.0")
+    # the demo's one-layer shift: SGLang's ids for [1, 4, 6] make vLLM capture the layers below
+    assert L.from_engine_ids(
+        "vllm", L.to_engine_ids("sglang", [1, 4, 6], 8, "llama", "0.5.23"), 8, "llama", "0.32.0"
+    ) == [0, 3, 5]
+
+
 def test_unknown_engine_raises():
     with pytest.raises(L.LayerContractError, match="unknown engine"):
         L.to_engine_ids("tgi", [1, 2, 3], 8, "llama", "1.0")
@@ -147,7 +164,8 @@ def test_the_kimi_triples_table_in_the_docs_is_the_contracts():
     for triple, sglang_ids, vllm_ids in rows:
         for engine, written in (("sglang", sglang_ids), ("vllm", vllm_ids)):
             try:
-                ids = L.to_engine_ids(engine, json.loads(triple), 61, "kimi_k25", "0.5.23")
+                version = "0.5.23" if engine == "sglang" else "0.32.0"
+                ids = L.to_engine_ids(engine, json.loads(triple), 61, "kimi_k25", version)
             except L.LayerContractError:
                 ids = None
             assert (None if written == "-" else json.loads(written.strip("`"))) == ids, (triple, engine)

@@ -35,7 +35,8 @@ LLAMA_PATHS = ("/models/tiny llama's target", "/outputs/tiny_eagle3/train/draft"
 
 EXPERIMENTS = {
     "kimi_eagle3": (["+experiment=kimi_eagle3"], KIMI_PATHS),
-    "tiny_eagle3_sglang": (["+experiment=tiny_eagle3", "serve=sglang"], LLAMA_PATHS),
+    # the demo's fallback to the reference engine off: these commands are SGLang's, wherever its env is
+    "tiny_eagle3_sglang": (["+experiment=tiny_eagle3", "serve=sglang", "serve.fallback=null"], LLAMA_PATHS),
 }
 
 
@@ -128,6 +129,7 @@ def test_optional_flags_follow_the_config():
         [
             "+experiment=tiny_eagle3",
             "serve=sglang",
+            "serve.fallback=null",
             "serve.cuda_graph_max_bs_decode=16",
             "serve.mem_fraction_static=0.7",
             "serve.dtype=null",
@@ -152,7 +154,7 @@ def test_kimi_draft_config_matches_golden():
 
 
 def test_llama_draft_config_matches_golden():
-    cfg = make_config(["+experiment=tiny_eagle3", "serve=sglang"])
+    cfg = make_config(["+experiment=tiny_eagle3", "serve=sglang", "serve.fallback=null"])
     conf = exported_draft_config(cfg)
     # Llama: sglang stores k + 1 and captures the state entering that layer, i.e. the output of layer k.
     assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == cfg.aux_layers == [1, 4, 6]
@@ -229,7 +231,7 @@ def rewrite_ids(folder: Path, ids: list[int]) -> None:
 
 
 def test_draft_with_contract_ids_is_accepted_and_other_ids_refused(tmp_path):
-    cfg = make_config(["+experiment=tiny_eagle3", "serve=sglang"])
+    cfg = make_config(["+experiment=tiny_eagle3", "serve=sglang", "serve.fallback=null"])
     ids = layer_contract.to_engine_ids("sglang", cfg.aux_layers, cfg.target.num_hidden_layers, "llama", "0.5.23")
     folder = write_draft(tmp_path / "draft", ids, cfg.aux_layers)
     assert sglang.check_draft_for_serving(cfg, folder, TINY_TARGET) == ids
@@ -274,7 +276,7 @@ def test_kimi_ids_depend_on_the_sglang_version():
 
 
 def test_malformed_draft_or_missing_provenance_is_refused(tmp_path):
-    cfg = make_config(["+experiment=tiny_eagle3", "serve=sglang"])
+    cfg = make_config(["+experiment=tiny_eagle3", "serve=sglang", "serve.fallback=null"])
     folder = write_draft(tmp_path / "draft", [1, 4, 6], [1, 4, 6])
     with pytest.raises(ServingRefused, match="target_hidden_size=32 but the target's hidden_size is 256"):
         sglang.check_draft_for_serving(cfg, folder, TINY_TARGET | {"hidden_size": 256})

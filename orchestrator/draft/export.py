@@ -315,5 +315,18 @@ def load_draft(folder: Path) -> tuple[Eagle3Draft, dict[str, Any]]:
     return model, conf
 
 
+def serving_record(serve, family: str, ids: list[int]) -> dict[str, Any]:
+    """The provenance's `serving` entry: the engine (and the version of its id rule) the config's ids are written
+    for. The guard refuses the folder on an engine of another convention (orchestrator.serving.sglang)."""
+    return {
+        "engine": serve.engine,
+        "family": family,
+        "sglang_version": serve.sglang_version,
+        "vllm_version": serve.vllm_version if serve.engine == "vllm" else None,
+        "id_rules": serve.id_rules,
+        "eagle_aux_hidden_state_layer_ids": list(ids),
+    }
+
+
 def provenance(folder: Path) -> dict[str, Any]:
     return read_json(Path(folder) / PROVENANCE, "draft provenance")

@@ -16,7 +16,7 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import requests
 
@@ -119,11 +119,12 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
 
 
-def generate(server: ServerProcess, prompt: list[int], max_new_tokens: int, timeout: float) -> dict[str, Any]:
-    payload = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
+def post_json(server: ServerProcess, path: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """POSTs to the server, its JSON answer with the request's `latency_s`; a timeout, a dropped connection or an
+    error status raises ServerError with the server's log tail."""
     started = time.perf_counter()
     try:
-        r = requests.post(f"{server.url}/generate", json=payload, timeout=timeout)
+        r = requests.post(f"{server.url}{path}", json=payload, timeout=timeout)
     except requests.Timeout:
         raise server.fail(
             f"request timed out after {timeout:.0f} s (serve.request_timeout_s): the server hangs"
@@ -132,18 +133,31 @@ def generate(server: ServerProcess, prompt: list[int], max_new_tokens: int, time
         state = "died" if not server.alive() else "dropped the connection"
         raise server.fail(f"server {state} mid-benchmark ({type(exc).__name__})") from None
     if r.status_code != 200:
-        raise server.fail(f"/generate answered {r.status_code}: {r.text[:500]}")
+        raise server.fail(f"{path} answered {r.status_code}: {r.text[:500]}")
     body = r.json()
     body["latency_s"] = time.perf_counter() - started
     return body
 
 
+def generate(server: ServerProcess, prompt: list[int], max_new_tokens: int, timeout: float) -> dict[str, Any]:
+    """One greedy request through SGLang's native /generate (the reference engine speaks it too)."""
+    payload = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
+    return post_json(server, "/generate", payload, timeout)
+
+
 def benchmark(
-    server: ServerProcess, prompts: list[list[int]], max_new_tokens: int, concurrency: int, timeout: float
+    server: ServerProcess,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    concurrency: int,
+    timeout: float,
+    request: Callable[..., dict[str, Any]] = generate,
 ) -> dict[str, Any]:
+    """One pass over the prompt set, `concurrency` requests in flight; `request(server, prompt, max_new_tokens,
+    timeout)` sends one in the engine's API (SGLang's /generate by default; vLLM's: serving/vllm.py)."""
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        responses = list(pool.map(lambda p: generate(server, p, max_new_tokens, timeout), prompts))
+        responses = list(pool.map(lambda p: request(server, p, max_new_tokens, timeout), prompts))
     wall = time.perf_counter() - started
     completion = sum(r["meta_info"]["completion_tokens"] for r in responses)
     verify = [r["meta_info"].get("spec_verify_ct") for r in responses]

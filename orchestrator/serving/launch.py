@@ -1,6 +1,7 @@
-"""The command that starts a serving engine on the target: SGLang (`serving/sglang.py` owns its command line) or the
-project's reference engine. The serve stage launches its baseline and speculative servers with it, and the server
-engine of regeneration (`orchestrator/regenerate.py`) its endpoint, without a draft."""
+"""The command that starts a serving engine on the target: SGLang or vLLM (`serving/sglang.py` and
+`serving/vllm.py` own their command lines) or the project's reference engine. The serve stage launches its baseline
+and speculative servers with it, and the server engine of regeneration (`orchestrator/regenerate.py`) its endpoint,
+without a draft."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from orchestrator import compute as compute_mod
 from orchestrator.compute import Compute
 from orchestrator.config import RootConfig
 from orchestrator.serving import sglang as sglang_engine
+from orchestrator.serving import vllm as vllm_engine
 
 
 def server_command(
@@ -22,6 +24,8 @@ def server_command(
     compute = compute or compute_mod.cpu()
     if s.engine == "sglang":
         return sglang_engine.launch_command(cfg, str(target), str(draft) if draft else None, port)
+    if s.engine == "vllm":
+        return vllm_engine.launch_command(cfg, str(target), str(draft) if draft else None, port)
     cmd = [
         sys.executable,
         "-m",

