@@ -4,7 +4,8 @@
 
 The first run builds (or reuses) the target, the extraction and the draft; every run then evaluates and serves
 anew, so the spread is that of eval (deterministic: it should be none) and of the serve benchmark (timing
-noise). Also prints the serve cycle's profile (the reference engine's mean ms per phase). Writes
+noise). Also prints the engine that served (vLLM where scripts/make_vllm_env.sh built it), vLLM's acceptance
+per position and latencies, or the serve cycle's profile (the reference engine's mean ms per phase). Writes
 outputs/repeat_demo.json.
 """
 
@@ -39,6 +40,15 @@ FIGURES = {
     "eval acc_2 (served states)": ("eval", "acc_2"),
     "eval expected accept length": ("eval", "expected_accept_length"),
     "served accept length": ("serve", "accept_length"),
+    "served acceptance, position 0": ("serve", ("acceptance_by_position", 0)),
+    "served acceptance, position 1": ("serve", ("acceptance_by_position", 1)),
+    "served acceptance, position 2": ("serve", ("acceptance_by_position", 2)),
+    "served / expected accept length - 1": ("serve", "accept_length_rel_diff"),
+    "greedy differing token rate": ("serve", "greedy_differing_token_rate"),
+    "baseline time to first token, s": ("serve", "baseline_ttft_mean_s"),
+    "speculative time to first token, s": ("serve", "spec_ttft_mean_s"),
+    "baseline inter-token latency, s": ("serve", "baseline_itl_mean_s"),
+    "speculative inter-token latency, s": ("serve", "spec_itl_mean_s"),
     "baseline tok/s": ("serve", "baseline_tok_s"),
     "speculative tok/s": ("serve", "spec_tok_s"),
     "speedup": ("serve", "speedup"),
@@ -47,6 +57,13 @@ FIGURES = {
     "speculative draft chain, ms": ("serve", "speculative_draft_chain_ms"),
     "speculative draft extend, ms": ("serve", "speculative_draft_extend_ms"),
 }
+
+
+def _value(result: dict, key):
+    if isinstance(key, tuple):  # (list key, index)
+        values = result.get(key[0]) or []
+        return values[key[1]] if key[1] < len(values) else None
+    return result.get(key)
 
 
 def main() -> None:
@@ -63,7 +80,8 @@ def main() -> None:
     flags = [f for s in summaries for f in s["mismatch_flags"]]
     table = {}
     for name, (stage, key) in FIGURES.items():
-        values = [s["stages"][stage][key] for s in summaries if key in s["stages"].get(stage, {})]
+        values = [_value(s["stages"].get(stage, {}), key) for s in summaries]
+        values = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
         if values:
             table[name] = {
                 "min": min(values),
@@ -81,9 +99,11 @@ def main() -> None:
         f"target {cfg.target.name}: held-out loss {report['heldout_loss']:.2f} (uniform {report['uniform_loss']:.2f}), "
         f"built in {report['total_seconds']:.0f} s with {report['environment']}"
     )
-    print(f"{'figure':32s} {'min':>9s} {'median':>9s} {'max':>9s}")
+    serve = summaries[-1]["stages"].get("serve", {})
+    print(f"served by {serve.get('engine')} {serve.get('engine_version')}; {serve.get('engine_fallback') or ''}")
+    print(f"{'figure':36s} {'min':>9s} {'median':>9s} {'max':>9s}")
     for name, row in table.items():
-        print(f"{name:32s} {row['min']:9.3f} {row['median']:9.3f} {row['max']:9.3f}")
+        print(f"{name:36s} {row['min']:9.3f} {row['median']:9.3f} {row['max']:9.3f}")
     print(f"mismatch flags: {flags or 'none'}")
     sys.exit(1 if flags else 0)
 
