@@ -2,6 +2,9 @@
 
     .venv/bin/python scripts/seed_replay.py [hydra overrides...]
 
+Served by the demo's engine: vLLM where scripts/make_vllm_env.sh built its environment (each draft given vLLM's
+ids), else the reference engine; `serve=reference` picks the latter.
+
 1. matched:   aux_layers=[-1, 1, 4] (embedding + two layers, as Kimi's [-1, 2, 30]) trained, evaluated, served.
 2. mismatch:  the same draft served with serve.layers=[1, 4, 6] (the seed's serving side: the embedding dropped,
               a later layer appended) and the guard off: standalone accuracy and served speed collapse.
@@ -46,6 +49,9 @@ def row(summary: dict) -> dict:
         "eval_acc_0_trained_states": ev.get("trained_states_acc_0"),
         "eval_expected_accept_length": ev.get("expected_accept_length"),
         "served_accept_length": sv.get("accept_length"),
+        "engine": f"{sv.get('engine')} {sv.get('engine_version')}",
+        "engine_fallback": sv.get("engine_fallback"),
+        "served_ids": sv.get("eagle_aux_hidden_state_layer_ids"),
         "baseline_tok_s": sv.get("baseline_tok_s"),
         "spec_tok_s": sv.get("spec_tok_s"),
         "speedup": sv.get("speedup"),
@@ -67,6 +73,9 @@ def main(extra: list[str]) -> None:
     cfg = config(*extra)
     write_json(cfg.outputs / "seed_replay.json", results)
     print(f"\ntrained on aux_layers={TRAINED}; mismatch serves {SERVED}")
+    for name in ("matched", "mismatch_guard_off"):
+        r = results[name]
+        print(f"{name}: served by {r['engine']} with draft config ids {r['served_ids']} {r['engine_fallback'] or ''}")
     print(f"{'':28}{'matched':>12}{'mismatch':>12}")
     for key in (
         "train_val_acc_0",

@@ -209,15 +209,18 @@ def test_ranks_the_cluster_cannot_run_are_refused_before_any_job(tiny_config):
         tiny_config("train.precision=fp8")
 
 
-def test_an_extraction_rank_that_fails_mid_run_is_named_and_the_rerun_matches(runs, tmp_path, monkeypatch):
+def test_an_extraction_rank_that_fails_or_is_killed_is_named_and_the_rerun_matches(runs, tmp_path, monkeypatch):
     """Rank 1 of a two-task extraction fails at its first shard; rank 0 finishes its own, sees rank 1's failure
-    record and fails naming it (no collective left waiting). The same command again extracts what is missing,
-    and every shard equals the uninterrupted two-rank run's, bit for bit."""
+    record and fails naming it (no collective left waiting). Then rank 1 is killed with SIGKILL instead (no
+    exception, no failure record: kill -9, the OOM killer): its heartbeat stops, and rank 0, with nothing left to
+    extract, fails once rank 1 is silent for extract.collective_timeout_min (0.25 here), naming it, instead of
+    waiting forever. The same command a third time extracts what is missing, and every shard equals the
+    uninterrupted two-rank run's, bit for bit."""
     cfg2, _ = runs[2]
     root = tmp_path / "outputs"
     targets = cfg2.outputs / "cache" / "targets"
     shutil.copytree(targets, root / "cache" / "targets", ignore=shutil.ignore_patterns("*.lock"))
-    cfg = compose_config(root, *_overrides(2), "stages=[extract]")
+    cfg = compose_config(root, *_overrides(2), "stages=[extract]", "extract.collective_timeout_min=0.25")
     faults = Path(__file__).resolve().parent / "faults"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(faults), *filter(None, [os.environ.get("PYTHONPATH")])]))
     for key, value in {"FAULT_TARGET": "orchestrator.stages.extract:_extract_chunk", "FAULT_RANK": "1"}.items():
@@ -226,6 +229,14 @@ def test_an_extraction_rank_that_fails_mid_run_is_named_and_the_rerun_matches(ru
         run_pipeline(cfg, tmp_path / "first")
     assert "rank 1 failed first: RuntimeError: injected fault" in str(failed.value)
     assert "extraction rank 1 failed" in str(failed.value)  # rank 0's own error names it
+
+    monkeypatch.setenv("FAULT_KIND", "kill")
+    started = time.monotonic()
+    with pytest.raises(StageFailed) as failed:
+        run_pipeline(cfg, tmp_path / "killed")
+    assert "extraction rank 1 stopped without a word: no heartbeat" in str(failed.value), str(failed.value)[-3000:]
+    assert time.monotonic() - started < 300
+
     monkeypatch.delenv("FAULT_TARGET")
     summary = run_pipeline(cfg, tmp_path / "again")
     assert 0 < summary["stages"]["extract"]["tokens_extracted_now"] < summary["stages"]["extract"]["tokens"]

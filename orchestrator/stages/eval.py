@@ -182,7 +182,7 @@ def mismatch_causes(cfg: RootConfig, prov: dict[str, Any], layers: list[int], ta
         causes.append(
             f"the draft config's eagle_aux_hidden_state_layer_ids make {cfg.serve.engine} capture {layers}, "
             f"but the draft was trained on aux_layers={prov.get('aux_layers')}: export the ids with the layer "
-            f"contract (orchestrator.layers.to_sglang_ids) for the serving engine, family and version"
+            f"contract (orchestrator.layers.to_engine_ids) for the serving engine, family and version"
         )
     if target_tok_hash and prov.get("tokenizer_hash") != target_tok_hash:
         causes.append("the target's tokenizer/chat template differs from the one used at extraction")

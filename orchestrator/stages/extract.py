@@ -15,6 +15,7 @@ of them.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -54,6 +55,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     holds does not depend on N. Rank 0 writes the token counts and the manifest once every rank is done."""
     out = plan.dir("extract")
     out.mkdir(parents=True, exist_ok=True)
+    heartbeat = _Heartbeat(out, compute, cfg.extract.collective_timeout_min * 60) if compute.distributed else None
     target_path = ensure_target(cfg)  # a tiny target is built under a file lock: ranks wait for one build
     target = identity(cfg, target_path)
     train_convs, val_convs = conversations(cfg.data, cfg.seed)
@@ -117,7 +119,9 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         tokens_done += int(tensors["input_ids"].numel())
     seconds = time.time() - started
     # Every rank's shards are complete before rank 0 reads them: the slowest rank's time is the stage's.
-    done = _join_ranks(out, compute, {"tokens": tokens_done, "seconds": seconds, "regenerate_s": regenerate_s})
+    done = _join_ranks(
+        out, compute, {"tokens": tokens_done, "seconds": seconds, "regenerate_s": regenerate_s}, heartbeat
+    )
     if not compute.is_main:
         return {}
     extracted_now = sum(d["tokens"] for d in done)
@@ -194,13 +198,50 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     return result
 
 
-def _join_ranks(out: Path, compute: Compute, mine: dict[str, float], poll_s: float = 2.0) -> list[dict[str, float]]:
+class _Heartbeat:
+    """A rank's sign of life while it extracts: a thread touches `ranks/<attempt>.rank<r>.alive` every `limit_s / 4`
+    seconds (30 at most) until the rank has written its record. A rank that is killed outright (kill -9, the
+    kernel's OOM killer, a lost node) writes no failure record; its heartbeat stops instead, and rank 0 fails once
+    it is older than `limit_s` (`extract.collective_timeout_min`)."""
+
+    def __init__(self, out: Path, compute: Compute, limit_s: float):
+        from orchestrator import runner
+
+        self.limit_s = limit_s
+        self.folder = out / "ranks"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.attempt = runner.attempt_id()
+        self.stopped = threading.Event()
+        self.path(compute.rank).touch()
+        if not compute.is_main:  # rank 0 is the one that waits
+            threading.Thread(target=self._beat, args=(self.path(compute.rank),), daemon=True).start()
+
+    def path(self, rank: int) -> Path:
+        return self.folder / f"{self.attempt}.rank{rank}.alive"
+
+    def _beat(self, path: Path) -> None:
+        while not self.stopped.wait(min(30.0, self.limit_s / 4)):
+            path.touch()
+
+    def silent_for(self, rank: int, since: float) -> float:
+        """Seconds since rank's last beat (or since `since`, when it has not beaten yet: still starting)."""
+        try:
+            last = self.path(rank).stat().st_mtime
+        except FileNotFoundError:
+            last = since
+        return time.time() - last
+
+
+def _join_ranks(
+    out: Path, compute: Compute, mine: dict[str, float], heartbeat: _Heartbeat | None = None, poll_s: float = 2.0
+) -> list[dict[str, float]]:
     """Each rank's figures, gathered by rank 0 once every rank has finished its shards. Ranks finish far apart
     (a restart leaves one rank all its shards and another none; regeneration takes what it takes), longer than
     a collective may wait (`extract.collective_timeout_min`), so they meet through files, not a collective: each
     writes `ranks/<attempt>.rank<r>.json`, and rank 0 waits for all of them. A peer that fails says so in its job's
-    failure record, and rank 0 fails at once naming it; a peer killed outright ends the job on Slurm (srun
-    --kill-on-bad-exit)."""
+    failure record, and rank 0 fails at once naming it; a peer killed outright stops its heartbeat (`_Heartbeat`),
+    and rank 0 fails once it is silent for longer than the collective timeout (on Slurm, srun --kill-on-bad-exit
+    ends the job sooner)."""
     from orchestrator import runner
 
     if not compute.distributed:
@@ -208,8 +249,11 @@ def _join_ranks(out: Path, compute: Compute, mine: dict[str, float], poll_s: flo
     attempt = runner.attempt_id()
     folder = out / "ranks"
     write_json(folder / f"{attempt}.rank{compute.rank}.json", mine)
+    if heartbeat is not None:
+        heartbeat.stopped.set()
     if not compute.is_main:
         return []
+    waiting_since = time.time()
     while True:
         paths = [folder / f"{attempt}.rank{r}.json" for r in range(compute.world_size)]
         if all(p.exists() for p in paths):
@@ -220,6 +264,18 @@ def _join_ranks(out: Path, compute: Compute, mine: dict[str, float], poll_s: flo
                 f"extraction rank {failed[0]['rank']} failed ({failed[0]['error']}); its shards are not done. The "
                 "finished shards are kept: the same command resumes"
             )
+        silent = {
+            rank: heartbeat.silent_for(rank, waiting_since)
+            for rank, path in enumerate(paths)
+            if heartbeat is not None and not path.exists()
+        }
+        for rank, seconds in silent.items():
+            if seconds > heartbeat.limit_s:
+                raise ArtifactError(
+                    f"extraction rank {rank} stopped without a word: no heartbeat ({heartbeat.path(rank).name}) for "
+                    f"{seconds:.0f} s, more than extract.collective_timeout_min allows (killed, OOM-killed, or its "
+                    "node lost). The finished shards are kept: the same command resumes"
+                )
         time.sleep(poll_s)
 
 

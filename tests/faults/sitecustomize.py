@@ -1,11 +1,13 @@
 """A fault injected into one rank of a job: imported at start-up by every Python process that has this folder on
 PYTHONPATH (the fault tests of tests/test_faults.py put it there). In the submitit task whose global rank is
-$FAULT_RANK, the function $FAULT_TARGET ("module:function") raises on its $FAULT_CALL-th call ($FAULT_KIND=raise)
-or never returns (hang). The module is patched as it is first imported, so the stage's own call reaches the fault."""
+$FAULT_RANK, the function $FAULT_TARGET ("module:function") raises on its $FAULT_CALL-th call ($FAULT_KIND=raise),
+never returns (hang), or kills its process with SIGKILL (kill). The module is patched as it is first imported, so
+the stage's own call reaches the fault."""
 
 import importlib.abc
 import importlib.machinery
 import os
+import signal
 import sys
 import time
 
@@ -26,6 +28,8 @@ if _target and _rank is not None and _rank == os.environ.get("FAULT_RANK"):
                 if _kind == "hang":
                     while True:
                         time.sleep(3600)
+                if _kind == "kill":  # as kill -9 or the OOM killer: no exception, no failure record
+                    os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError(f"injected fault: {_target} call {_at} on rank {_rank}")
             return original(*args, **kwargs)
 
