@@ -612,6 +612,11 @@ def check_regenerate(cfg: RootConfig) -> None:
             "serve.engine=reference: the reference engine decodes greedily only; "
             "set data.regenerate.temperature=0 or data.regenerate.engine=hf"
         )
+    if r.enabled and r.engine == "server" and r.url is None and cfg.serve.engine == "vllm" and r.api != "completions":
+        raise ConfigError(
+            f"data.regenerate.api={r.api!r} with data.regenerate.engine=server and serve.engine=vllm: the vLLM "
+            "server the extract job starts speaks the OpenAI API only; set data.regenerate.api=completions"
+        )
 
 
 def check_speculative_args(s: ServeConfig) -> None:

@@ -127,10 +127,23 @@ def test_the_seeds_kimi_triple_cannot_be_served_by_vllm_and_says_why(tmp_path):
 
     from orchestrator.config import ConfigError
 
+    vllm = ["serve=vllm", "data.regenerate.api=completions"]  # the extract job's regeneration server is vLLM too
     with pytest.raises(ConfigError, match=r"aux_layers=\[-1, 2, 30\] cannot be served by serve.engine=vllm") as bad:
-        compose_config(tmp_path, "serve=vllm", experiment="kimi_eagle3", fast=False)
+        compose_config(tmp_path, *vllm, experiment="kimi_eagle3", fast=False)
     assert "no embedding output for this family" in str(bad.value) and "deepseek_v2.py" in str(bad.value)
-    cfg = compose_config(tmp_path, "serve=vllm", "aux_layers=[1,29,57]", experiment="kimi_eagle3", fast=False)
+    cfg = compose_config(tmp_path, *vllm, "aux_layers=[1,29,57]", experiment="kimi_eagle3", fast=False)
     assert make_plan(cfg, tmp_path / "run").stages[-1]["layer_ids"]["eagle_config"][
         "eagle_aux_hidden_state_layer_ids"
     ] == [2, 30, 58]
+
+
+def test_regeneration_through_the_vllm_server_needs_the_openai_api(tmp_path):
+    """The extract job's own endpoint is serve.engine's server without a draft; vLLM's has no /generate."""
+    from conftest import compose_config
+
+    from orchestrator.config import ConfigError
+
+    server = ["serve=vllm", "data.regenerate.engine=server"]
+    with pytest.raises(ConfigError, match="set data.regenerate.api=completions"):
+        compose_config(tmp_path, *server, "data.regenerate.api=generate")
+    assert compose_config(tmp_path, *server, "data.regenerate.api=completions").data.regenerate.api == "completions"
