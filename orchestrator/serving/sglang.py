@@ -143,11 +143,9 @@ def check_exported_engine(cfg: RootConfig, prov: dict[str, Any], ids: list[int],
     exported = (prov.get("serving") or {}).get("engine")
     if exported is None or layer_contract.id_convention(exported) == layer_contract.id_convention(s.engine):
         return
-    t = cfg.target
     rules = (prov.get("serving") or {}).get("id_rules") or exported
     try:
-        captured = layer_contract.from_engine_ids(s.engine, ids, t.num_hidden_layers, t.family, s.engine_version)
-        what = f"{s.engine} would capture {captured} ({', '.join(layer_contract.describe(k) for k in captured)})"
+        what = f"{s.engine} would capture {_captured(cfg, ids)[1]}"
     except layer_contract.LayerContractError as exc:
         what = f"{s.engine} has no rule for them ({exc})"
     raise ServingRefused(
@@ -158,18 +156,24 @@ def check_exported_engine(cfg: RootConfig, prov: dict[str, Any], ids: list[int],
     )
 
 
+def _captured(cfg: RootConfig, ids: list[int]) -> tuple[list[int], str]:
+    """The canonical states serve.engine captures for a draft config's ids, and them in words."""
+    t, s = cfg.target, cfg.serve
+    captured = layer_contract.from_engine_ids(s.engine, ids, t.num_hidden_layers, t.family, s.engine_version)
+    return captured, f"{captured} ({', '.join(layer_contract.describe(k) for k in captured) or 'nothing'})"
+
+
 def check_layer_ids(cfg: RootConfig, ids: list[int], trained: list[int], where: str = "draft") -> None:
     """Refuses ids that make SGLang capture anything but exactly the canonical `trained` layers, in that order."""
     t, s = cfg.target, cfg.serve
-    captured = layer_contract.from_engine_ids(s.engine, ids, t.num_hidden_layers, t.family, s.engine_version)
+    captured, states = _captured(cfg, ids)
     if captured == list(trained) and len(ids) == len(trained):
         return
-    rule = layer_contract.engine_rule("sglang" if s.engine == "reference" else s.engine, t.family, s.engine_version)
-    states = ", ".join(layer_contract.describe(k) for k in captured) or "nothing"
+    rule = layer_contract.engine_rule(layer_contract.id_convention(s.engine), t.family, s.engine_version)
     if len(captured) < len(ids):
-        what = f"captures only {len(captured)} states for {len(ids)} ids: {captured} ({states})"
+        what = f"captures only {len(captured)} states for {len(ids)} ids: {states}"
     else:
-        what = f"captures {captured} ({states})"
+        what = f"captures {states}"
     try:
         fixed_ids = layer_contract.to_engine_ids(s.engine, trained, t.num_hidden_layers, t.family, s.engine_version)
         fix = f"set it to {fixed_ids} (orchestrator.layers.to_engine_ids) or re-export the draft"
