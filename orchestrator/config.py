@@ -342,7 +342,7 @@ def apply_fallback(cfg: RootConfig) -> None:
     """serve.fallback in place of serve.engine when serve.python does not exist on this machine (the demo: vLLM
     where scripts/make_vllm_env.sh built it, the reference engine elsewhere); `fallback_reason` records why."""
     s = cfg.serve
-    if s.fallback in (None, s.engine) or s.engine == "reference" or Path(s.python).is_file():
+    if s.fallback in (None, s.engine) or s.engine not in ENGINES or s.engine == "reference" or Path(s.python).is_file():
         return
     s.fallback_reason = (
         f"serve.engine={s.engine} needs serve.python={s.python}, which does not exist on this machine"

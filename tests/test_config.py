@@ -86,8 +86,14 @@ def test_stage_configs_do_not_repeat_the_layer_list():
     ],
 )
 def test_bad_config_names_the_key(override, fragment):
+    # the reference engine's rules (SGLang's ids): vLLM captures the last layer and refuses a tree in its own words
     with pytest.raises(ConfigError, match=re.escape(fragment)):
-        compose_root(["+experiment=tiny_eagle3", override])
+        compose_root(["+experiment=tiny_eagle3", "serve=reference", override])
+
+
+def test_vllm_refuses_a_tree_naming_the_key():
+    with pytest.raises(ConfigError, match=r"serve\.eagle_topk=4: serve\.engine=vllm drafts a chain"):
+        compose_root(["+experiment=tiny_eagle3", "serve=vllm", "serve.eagle_topk=4", "serve.num_draft_tokens=8"])
 
 
 def test_tree_drafting_needs_two_draft_tokens():

@@ -166,7 +166,7 @@ def test_completions_api_against_a_server_without_it_names_the_key(tiny, tmp_pat
 )
 def test_bad_regenerate_config_names_the_key(overrides, fragment):
     with pytest.raises(ConfigError) as err:
-        compose_root(["+experiment=tiny_eagle3", "data.regenerate.engine=server", *overrides])
+        compose_root(["+experiment=tiny_eagle3", "serve=reference", "data.regenerate.engine=server", *overrides])
     assert fragment in str(err.value), str(err.value)
 
 
