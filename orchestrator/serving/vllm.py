@@ -180,6 +180,6 @@ def benchmark(
 
 
 def server_info(server: client.ServerProcess) -> dict[str, Any]:
-    """vLLM's version and its counters at the end of the benchmark (vLLM has no /server_info)."""
+    """vLLM's version, from its /version endpoint (vLLM has no /server_info); its counters are read per pass."""
     version = requests.get(f"{server.url}/version", timeout=10)
     return {"engine": "vllm", "version": version.json().get("version") if version.ok else None}
