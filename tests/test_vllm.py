@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import copy_cache
 from safetensors.torch import load_file
 
@@ -118,6 +120,100 @@ def test_vllm_serves_the_draft_and_its_counters_agree_with_eval(vllm_python, fas
     draft = Path(summary["run_dir"]) / "draft_vllm"
     trained = make_plan(cfg, tmp_path / "run").dir("train") / "draft"
     assert load_file(str(draft / "model.safetensors")).keys() == load_file(str(trained / "model.safetensors")).keys()
+    # and vLLM's own loader took every tensor of it before the servers started (t2d it drops by design)
+    assert serve["vllm_load_check"] == {"model_class": "Eagle3LlamaForCausalLM", "unused": ["t2d"], "missing": []}
+
+
+def _loaded(report: dict) -> dict:
+    return {k: report[k] for k in ("architecture", "model_class", "unused", "missing", "refused", "load_error")}
+
+
+CLEAN_LOAD = {
+    "architecture": "LlamaForCausalLMEagle3",
+    "model_class": "Eagle3LlamaForCausalLM",
+    "unused": ["t2d"],  # vLLM maps draft ids to target ids with d2t alone (vllm_engine.DROPPED_BY_DESIGN)
+    "missing": [],
+    "refused": {},
+    "load_error": None,
+}
+
+
+@pytest.mark.vllm
+def test_vllms_own_loader_takes_every_weight_of_the_llama_export_and_names_what_it_would_not(
+    vllm_python, fast_cache, tiny_config, tmp_path, monkeypatch
+):
+    """The FAST draft's vLLM copy, as the serve stage hands it to vLLM, through vLLM's model loader against the
+    tiny Llama target: every tensor loaded, every parameter set. The same export with a tensor left out and a tensor
+    vLLM does not take (a rotary `inv_freq`, which vLLM's loaders skip) is reported for both, so the serve stage
+    refuses it before any server starts."""
+    from safetensors.torch import save_file
+
+    monkeypatch.setenv("VLLM_PYTHON", vllm_python)
+    fast_cache("extract", "train")
+    cfg = tiny_config("cluster=local", "serve=vllm")
+    plan = make_plan(cfg, tmp_path / "run")
+    draft = served_draft_dir(cfg, plan)
+    assert draft.name == "draft_vllm"
+    report = vllm_engine.check_draft_loads(cfg, plan.target_dir, draft)
+    assert _loaded(report) == CLEAN_LOAD and report["problems"] == [], report
+    assert report["vllm_version"] == "0.32.0" and "model.layers.0.self_attn.qkv_proj.weight" in report["loaded"]
+
+    broken = tmp_path / "broken"
+    shutil.copytree(draft, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["midlayer.mlp.up_proj.weight"]
+    tensors["midlayer.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    (broken / "model.safetensors").unlink()
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    report = vllm_engine.check_draft_loads(cfg, plan.target_dir, broken)
+    assert report["unused"] == ["midlayer.self_attn.rotary_emb.inv_freq", "t2d"], report
+    assert report["missing"] == ["model.layers.0.mlp.gate_up_proj.weight"], report  # its up half never written
+    assert report["problems"] == [
+        "midlayer.self_attn.rotary_emb.inv_freq: vLLM reads it and drops it",
+        "model.layers.0.mlp.gate_up_proj.weight: no checkpoint tensor loads it",
+    ], report
+
+
+@pytest.mark.vllm
+def test_vllms_own_loader_takes_every_weight_of_a_deepseek_family_export(vllm_python, tiny_config, tmp_path,
+                                                                        monkeypatch):  # fmt: skip
+    """The DeepSeek/Kimi family: a draft exported for a tiny DeepSeek-V3 target (MLA, MoE, YaRN rope: Kimi-K2.5's
+    text model) by the train stage's own export (draft config from the target's, the ids in vLLM's DeepSeek
+    convention), loaded by vLLM's loader against that target: every tensor used, every parameter set.
+
+    The untrained draft is enough: what is checked is the export's names and shapes, not its numbers. (vLLM builds
+    the Kimi-K2.5 wrapper only with the wrapper's image processor, which a real checkpoint ships and the tiny one
+    does not; the draft is built against the text model's config in either case.)"""
+    from orchestrator import layers as layer_contract
+    from orchestrator.draft import rope as draft_rope
+    from orchestrator.draft.model import Eagle3Draft, default_shape
+    from orchestrator.tiny import build_tiny_target
+
+    monkeypatch.setenv("VLLM_PYTHON", vllm_python)
+    cfg = tiny_config("cluster=local", "serve=vllm", "aux_layers=[1,2,4]", experiment="tiny_deepseek_eagle3",
+                      fast=False)  # fmt: skip
+    tiny = cfg.target.tiny
+    small = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "q_lora_rank": 32,
+             "kv_lora_rank": 32, "vocab_size": 512}  # fmt: skip
+    train = {"steps": 2, "seq_len": 32, "batch_size": 2, "warmup_steps": 1, "max_files": 8,
+             "tokenizer_vocab_size": 384, "tokenizer_max_texts": 500, "eval_sequences": 2}  # fmt: skip
+    target = build_tiny_target(tmp_path / "target", tiny.arch, {**tiny.model, **small}, {**tiny.train, **train},
+                               progress=False)  # fmt: skip
+    tconf = target_config_json(target)
+    assert tconf["architectures"] == ["DeepseekV3ForCausalLM"] and tconf["kv_lora_rank"] == 32
+    rope = draft_rope.config_keys(draft_rope.read(tconf, "config.json"))
+    shape = default_shape(64, 512, 3, None, 2, 2, None, None, 256, 1e-6, rope["rope_theta"], 2048,
+                          rope.get("rope_scaling"))  # fmt: skip
+    draft = Eagle3Draft(shape)
+    d2t, t2d = draft_export.build_vocab_map(torch.arange(512, dtype=torch.float32), 256)
+    draft.set_vocab_map(d2t, t2d)
+    ids = layer_contract.to_engine_ids("vllm", [1, 2, 4], 6, cfg.target.family, cfg.serve.engine_version)
+    assert ids == [2, 3, 5]
+    conf = draft_export.draft_config(shape, ids, "float32", tconf, 2048)
+    prov = {"rope": shape.rope.as_dict(), "serving": draft_export.serving_record(cfg.serve, cfg.target.family, ids)}
+    draft_export.export(draft, tmp_path / "draft", conf, prov, tconf)
+    report = vllm_engine.check_draft_loads(cfg, target, tmp_path / "draft")
+    assert _loaded(report) == CLEAN_LOAD and report["problems"] == [], report
 
 
 def test_the_seeds_kimi_triple_cannot_be_served_by_vllm_and_says_why(tmp_path):

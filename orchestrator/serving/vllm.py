@@ -4,6 +4,8 @@ docs/engines.md#vllm).
     launch_command   the `python -m vllm.entrypoints.openai.api_server ...` argv (`vllm serve`'s server), baseline
                      or EAGLE-3 speculative (`--speculative-config {"method": "eagle3", ...}`)
     server_env       what the engine needs in its environment on a machine without GPUs
+    check_draft_loads  the exported draft loaded by vLLM's own model loader (vllm_side/load_check.py, run in vLLM's
+                     environment): every checkpoint tensor used, every parameter loaded, before any server starts
     benchmark        one pass over the prompt set through /v1/completions, with the pass's speculative-decoding
                      statistics as vLLM counts them: the difference of its /metrics counters before and after
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +51,14 @@ MANAGED_FLAGS = {
 
 
 def check_args(cfg: RootConfig) -> None:
-    """What vLLM's EAGLE-3 takes of the serve.* keys: a chain of serve.num_steps draft tokens."""
+    """What vLLM's EAGLE-3 takes of the serve.* keys: a chain of serve.num_steps draft tokens. vLLM 0.32 has no
+    token tree (its SpeculativeConfig has num_speculative_tokens and no tree setting; docs/engines.md#vllm)."""
     s = cfg.serve
     if s.eagle_topk != 1:
         raise ConfigError(
-            f"serve.eagle_topk={s.eagle_topk}: serve.engine=vllm drafts a chain of serve.num_steps tokens "
-            "(num_speculative_tokens); a tree is vLLM's speculative_token_tree, which this project does not set. "
-            "Set serve.eagle_topk=1"
+            f"serve.eagle_topk={s.eagle_topk}: serve.engine=vllm (vllm {s.vllm_version}) drafts a chain of "
+            "serve.num_steps tokens (num_speculative_tokens) and has no token tree. Set serve.eagle_topk=1, or serve "
+            "a tree with serve=sglang"
         )
     for arg in s.extra_args:
         flag = arg.split("=", 1)[0]
@@ -100,6 +104,33 @@ def server_env(cfg: RootConfig) -> dict[str, str]:
 
 def available(python: str) -> bool:
     return Path(python).is_file() and os.access(python, os.X_OK)
+
+
+LOAD_CHECK = Path(__file__).with_name("vllm_side") / "load_check.py"
+# Checkpoint tensors vLLM reads and drops by design: its EAGLE-3 Llama draft maps draft ids to target ids with d2t
+# alone and skips t2d (`Eagle3LlamaForCausalLM.load_weights`, vllm/model_executor/models/llama_eagle3.py).
+DROPPED_BY_DESIGN = {"t2d": "the target-to-draft vocabulary map, which vLLM does not use"}
+
+
+def check_draft_loads(cfg: RootConfig, target_path: Path | str, draft_dir: Path | str, timeout: float = 600) -> dict:
+    """vLLM's own loader on the draft (`vllm_side/load_check.py` in `serve.python`), building it against the
+    target's config as the engine does. Returns the report with `problems`: each checkpoint tensor vLLM reads and
+    drops (but those in DROPPED_BY_DESIGN), each parameter left unloaded, each tensor whose load raised. A dropped
+    tensor is served as nothing and a missing parameter as whatever memory held, both silently."""
+    argv = [cfg.serve.python, str(LOAD_CHECK), str(target_path), str(draft_dir), str(cfg.serve.num_steps)]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **server_env(cfg)}
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise RuntimeError(f"vLLM's loader could not build the draft {draft_dir} (exit {proc.returncode}):\n{tail}")
+    report = json.loads(lines[-1])
+    problems = [f"{name}: vLLM reads it and drops it" for name in report["unused"] if name not in DROPPED_BY_DESIGN]
+    problems += [f"{name}: no checkpoint tensor loads it" for name in report["missing"]]
+    problems += [f"{name}: {error}" for name, error in report["refused"].items()]
+    if report["load_error"]:
+        problems.append(f"the whole load fails: {report['load_error']}")
+    return report | {"problems": problems}
 
 
 # ------------------------------------------------------------------------------------------------- the API

@@ -169,6 +169,16 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         flags.append(f"serve: guard off, serving anyway a draft the guard refuses: {exc}")
         ids = read_json(draft / "config.json", "draft config")["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     tracker.tags({"serve.eagle_aux_hidden_state_layer_ids": json.dumps(ids)})  # the layers' param is aux_layers
+    loaded = None
+    if s.engine == "vllm":  # vLLM's own loader on the draft: nothing it reads and drops, nothing it leaves unloaded
+        loaded = vllm_engine.check_draft_loads(cfg, target, draft)
+        if loaded["problems"]:
+            raise sglang_engine.ServingRefused(
+                f"vLLM {loaded['vllm_version']} would serve the draft {draft} ({loaded['model_class']}) without all "
+                "of its weights:\n  - "
+                + "\n  - ".join(loaded["problems"])
+                + "\nThe export's weight names are not the ones vLLM's loader takes (docs/engines.md#vllm)"
+            )
 
     tokenizer = load_tokenizer(target, cfg.target.trust_remote_code, cfg.data.chat_template)
     _, val_convs = conversations(cfg.data, cfg.seed)
@@ -244,6 +254,8 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         "eagle_aux_hidden_state_layer_ids": ids,
         "compute": compute.describe(),
     }
+    if loaded is not None:
+        result["vllm_load_check"] = {k: loaded[k] for k in ("model_class", "unused", "missing")}
     if histogram:
         reached = [sum(histogram[j:]) for j in range(len(histogram))]
         result["accept_rate_by_position"] = [
