@@ -415,9 +415,26 @@ def run_checks(cfg: RootConfig, plan, draft_dir: str | None = None) -> list[Find
     draft = Path(draft_dir) if draft_dir else plan.dir("train") / "draft"
     if (draft / "config.json").exists():
         findings += draft_findings(cfg, draft, target_dir, as_served=not draft_dir)
+        if draft_dir and cfg.serve.engine == "vllm":
+            findings += vllm_loader_findings(cfg, draft, target_dir)
     elif draft_dir:
         findings.append(Finding("draft config", False, f"check_draft={draft_dir}: no config.json there"))
     return findings
+
+
+def vllm_loader_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -> list[Finding]:
+    """`check_draft=` with serve.engine=vllm: the draft through vLLM's own loader (the serve stage's first step),
+    where vLLM's environment and the target's config.json are here."""
+    from orchestrator.serving import vllm as vllm_engine
+
+    if not vllm_engine.available(cfg.serve.python) or not (target_dir / "config.json").exists():
+        why = "no vLLM environment at serve.python" if (target_dir / "config.json").exists() else "no target here"
+        return [Finding("vllm loader", True, f"not run: {why}; the serve stage runs it before its servers start")]
+    report = vllm_engine.check_draft_loads(cfg, target_dir, draft_dir)
+    if not report["problems"]:
+        return [Finding("vllm loader", True, f"vLLM {report['vllm_version']} loads every weight of {draft_dir}")]
+    fix = "export the draft with the names vLLM's loader takes (docs/engines.md#vllm-drafts-and-serving)"
+    return [Finding("vllm loader", False, p, fix) for p in report["problems"]]
 
 
 def print_report(findings: list[Finding]) -> None:
