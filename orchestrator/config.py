@@ -26,8 +26,10 @@ FAMILIES = ("llama", "deepseek_v3", "kimi_k25")
 ENGINES = ("reference", "sglang", "vllm")
 CLUSTERS = ("local", "debug", "slurm")
 DTYPES = ("float32", "bfloat16", "float16")
-DATA_SETS = ("stdlib_chat", "jsonl")
-DATA_FORMATS = ("auto", "openai", "sharegpt")
+DATA_SETS = ("stdlib_chat", "jsonl", "hf")
+DATA_FORMATS = ("auto", "openai", "sharegpt", "ultrachat")
+# data=hf's own keys (conf/data/hf.yaml); the other data sets leave them at their defaults
+HF_KEYS = {"path": None, "subset": None, "data_files": None, "revision": None, "val_split": None, "column": None}
 REGENERATE_ENGINES = ("hf", "server")
 REGENERATE_APIS = ("generate", "completions")
 
@@ -123,6 +125,16 @@ class DataConfig:
     # Extraction fails when a shard's loss tokens are a smaller fraction of its tokens than this.
     min_loss_fraction: float = MISSING
     regenerate: RegenerateConfig = MISSING
+    # hf: a Hugging Face `datasets` data set (conf/data/hf.yaml): a local file, folder or save_to_disk folder, a
+    # builder name ("json", "parquet") with data_files, or a hub name already in the local cache (never downloaded).
+    path: Optional[str] = None
+    subset: Optional[str] = None  # load_dataset's `name` (the data set's configuration)
+    data_files: Optional[list[str]] = None
+    revision: Optional[str] = None  # a hub data set's revision; keys the extraction (hub names have no file to hash)
+    train_split: str = "train"
+    val_split: Optional[str] = None  # null: a seeded val_fraction of the train split's rows
+    column: Optional[str] = None  # the column holding each row's turns; null: the layout's (messages, ...)
+    streaming: bool = True  # rows read as they are used: the data set is never whole in memory
 
 
 @dataclass
@@ -537,6 +549,13 @@ def check_data(d: DataConfig) -> None:
                 f"at {Path.cwd()})"
             )
         d.chat_template = str(Path(d.chat_template).resolve())
+    if d.name != "hf":
+        for key, default in HF_KEYS.items():
+            if getattr(d, key) != default:
+                raise ConfigError(f"data.{key}={getattr(d, key)!r}: a key of data=hf, not of data={d.name}")
+    if d.name == "hf":
+        check_hf_data(d)
+        return
     if d.name == "stdlib_chat":
         if d.train_files or d.val_files:
             raise ConfigError(
@@ -564,6 +583,38 @@ def check_data(d: DataConfig) -> None:
                 raise ConfigError(f"data.{key}[{i}]={file!r}: no such file (relative paths start at {Path.cwd()})")
         # absolute from here on: a job may start in another working directory (Slurm, submitit)
         setattr(d, key, [str(Path(file).resolve()) for file in getattr(d, key)])
+
+
+def check_hf_data(d: DataConfig) -> None:
+    """data=hf before any job: the path is a local file or folder, or a name for `datasets` to find in its cache
+    (whether it is there is known when the data set is opened: `orchestrator.data.open_hf`)."""
+    if not d.path:
+        raise ConfigError(
+            "data.path is unset: data=hf needs a data set, e.g. data.path=HuggingFaceH4/ultrachat_200k (in the local "
+            "cache), data.path=/data/chats (a folder), or data.path=json data.data_files=[chats.jsonl]"
+        )
+    if d.train_files or d.val_files:
+        raise ConfigError(
+            f"data.train_files={d.train_files}, data.val_files={d.val_files}: data=hf reads data.path "
+            "(and data.data_files); set those instead"
+        )
+    if d.val_split is not None and d.val_fraction is not None:
+        raise ConfigError(
+            f"data.val_split={d.val_split!r} and data.val_fraction={d.val_fraction}: take validation from the split "
+            "(add data.val_fraction=null) or hold out a fraction of data.train_split (data.val_split=null)"
+        )
+    if d.val_split is None and (d.val_fraction is None or not 0 < d.val_fraction < 1):
+        raise ConfigError(
+            f"data.val_fraction={d.val_fraction} with data.val_split=null: expected a fraction in (0, 1) of the "
+            "train split's rows to hold out, or a validation split in data.val_split"
+        )
+    for i, file in enumerate(d.data_files or []):
+        if not any(ch in file for ch in "*?[") and "://" not in file and not Path(file).exists():
+            raise ConfigError(f"data.data_files[{i}]={file!r}: no such file (relative paths start at {Path.cwd()})")
+    if d.data_files:  # absolute from here on: a job may start in another working directory
+        d.data_files = [f if "://" in f else str(Path(f).resolve()) for f in d.data_files]
+    if Path(d.path).exists():
+        d.path = str(Path(d.path).resolve())
 
 
 def check_regenerate(cfg: RootConfig) -> None:

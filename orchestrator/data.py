@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import itertools
 import json
 import random
 from dataclasses import dataclass
@@ -11,9 +14,17 @@ from orchestrator.config import DataConfig
 
 Conversation = list[dict[str, str]]
 
-# Per format: the conversation's key, each turn's speaker and text keys, and the speaker names it uses.
+# Per format: the conversation's key, each turn's speaker and text keys, and the speaker names it uses. ShareGPT's
+# tool turns (LLaMA-Factory's names): `function_call` is the assistant calling a tool (its value the call's JSON,
+# {"name", "arguments"}), `observation` the tool's answer. UltraChat (stingning/ultrachat): `data`, a list of
+# strings, the user's and the assistant's turns in alternation.
 FORMATS = {
-    "openai": ("messages", "role", "content", {"system": "system", "user": "user", "assistant": "assistant"}),
+    "openai": (
+        "messages",
+        "role",
+        "content",
+        {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool"},
+    ),
     "sharegpt": (
         "conversations",
         "from",
@@ -25,9 +36,15 @@ FORMATS = {
             "gpt": "assistant",
             "assistant": "assistant",
             "chatgpt": "assistant",
+            "function_call": "assistant",
+            "observation": "tool",
+            "tool": "tool",
         },
     ),
+    "ultrachat": ("data", None, None, None),
 }
+# OpenAI message keys kept as they are, for the chat template to render (tool calls and their answers)
+TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
 
 
 class DataFileError(ValueError):
@@ -48,9 +65,117 @@ def conversations(data: DataConfig, seed: int) -> tuple[list, list]:
         train, val = stdlib_conversations(seed, max_files=data.max_files)
     elif data.name == "jsonl":
         train, val = jsonl_conversations(data, seed)
+    elif data.name == "hf":
+        return hf_conversations(data, seed)
     else:
-        raise ValueError(f"data.name={data.name!r}: expected 'stdlib_chat' or 'jsonl'")
+        raise ValueError(f"data.name={data.name!r}: expected 'stdlib_chat', 'jsonl' or 'hf'")
     return train[: data.max_train_conversations], val[: data.max_val_conversations]
+
+
+@contextlib.contextmanager
+def _offline():
+    """Nothing is downloaded at run time: `datasets` and the hub client read their offline switches per call."""
+    import datasets
+    import huggingface_hub.constants as hub
+
+    saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
+
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+
+
+def open_hf(data: DataConfig, split: str, key: str):
+    """One split of data=hf's data set, as `datasets` opens it: a `save_to_disk` folder (load_from_disk), else
+    `load_dataset(data.path, data.subset, data_files=..., revision=..., streaming=data.streaming)` offline, so a
+    hub name must already be in the local cache. Errors name the config key and what to do."""
+    import datasets
+
+    path = Path(data.path)
+    try:
+        if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+            saved = datasets.load_from_disk(str(path))
+            if isinstance(saved, datasets.DatasetDict):
+                if split not in saved:
+                    raise DataFileError(f"{key}={split!r}: {path} holds the splits {sorted(saved)}")
+                saved = saved[split]
+            return saved.to_iterable_dataset() if data.streaming else saved
+        name, files = data.path, data.data_files
+        if path.is_file():  # one file: its builder by its extension
+            if path.suffix not in BUILDERS:
+                raise DataFileError(f"data.path={data.path!r}: expected a file ending in one of {sorted(BUILDERS)}")
+            name, files = BUILDERS[path.suffix], [str(path)]
+        with _offline():
+            return datasets.load_dataset(
+                name, data.subset, data_files=files, revision=data.revision, split=split, streaming=data.streaming
+            )
+    except DataFileError:
+        raise
+    except (ConnectionError, FileNotFoundError) as exc:
+        raise DataFileError(
+            f"data.path={data.path!r}: no such local file or folder, and not in the local `datasets` cache (nothing "
+            f"is downloaded at run time: load it once on a machine with network, or point data.path at the files). "
+            f"datasets said: {exc}"
+        ) from None
+    except ValueError as exc:  # an unknown split or configuration
+        raise DataFileError(f"data.path={data.path!r}, {key}={split!r}: {exc}") from None
+
+
+def hf_conversations(data: DataConfig, seed: int) -> tuple[list[Conversation], list[Conversation]]:
+    """(train, val) from a `datasets` data set, read row by row (streamed by default: never whole in memory) and
+    only as far as the caps need. Validation is data.val_split's first max_val_conversations rows, or else each
+    train-split row is held out with probability data.val_fraction, drawn under the seed in row order (a streamed
+    data set has no length to sample from). Every row is parsed by its layout (data.format, data.column); a bad
+    row fails naming the data set, the split and the row."""
+
+    def rows(split: str, key: str):
+        for i, row in enumerate(open_hf(data, split, key)):
+            yield parse_record(row, data.format, f"data.path={data.path!r} [{split}] row {i}", data.column)
+
+    train: list[Conversation] = []
+    val: list[Conversation] = []
+    if data.val_split is not None:
+        train = list(itertools.islice(rows(data.train_split, "data.train_split"), data.max_train_conversations))
+        val = list(itertools.islice(rows(data.val_split, "data.val_split"), data.max_val_conversations))
+    else:
+        draw = random.Random(seed)
+        for conversation in rows(data.train_split, "data.train_split"):
+            held = draw.random() < data.val_fraction
+            split = val if held else train
+            if len(split) < (data.max_val_conversations if held else data.max_train_conversations):
+                split.append(conversation)
+            if len(train) >= data.max_train_conversations and len(val) >= data.max_val_conversations:
+                break
+    if not train or not val:
+        raise DataFileError(
+            f"data.path={data.path!r}: {len(train)} train and {len(val)} validation conversations; both splits need "
+            "at least one (more rows, or another data.val_fraction or data.val_split)"
+        )
+    return train, val
+
+
+def data_identity(data: DataConfig) -> dict:
+    """What keys an extraction's data besides the data config: the content of every local file it reads (a file
+    edited in place is another data set), or for a hub name its revision as configured (`data.revision`; null: the
+    cached copy, which the key cannot see change)."""
+    from orchestrator.artifacts import file_sha256
+
+    files = [Path(f) for f in [*data.train_files, *data.val_files]]
+    if data.name == "hf":
+        path = Path(data.path)
+        local = [Path(f) for pattern in (data.data_files or []) for f in sorted(glob.glob(pattern))]
+        if path.is_file():
+            local.append(path)
+        elif path.is_dir():
+            local += sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        if not local:
+            return {"hub": data.path, "revision": data.revision}
+        files += local
+    return {"file_sha256": {str(f): file_sha256(f) for f in files}}
 
 
 def jsonl_conversations(data: DataConfig, seed: int) -> tuple[list[Conversation], list[Conversation]]:
@@ -92,48 +217,96 @@ def read_conversations(path: str | Path, fmt: str, key: str) -> list[Conversatio
 
 def parse_conversation(line: str, fmt: str, where: str) -> Conversation:
     """One line of a conversation file; `where` (file:line) starts every error."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataFileError(
+            f"{where}: invalid JSON ({exc.msg}, column {exc.colno}); expected one JSON object per line"
+        ) from None
+    return parse_record(record, fmt, where)
+
+
+def parse_record(record, fmt: str, where: str, column: str | None = None) -> Conversation:
+    """One conversation (a JSON line's object, or a data set's row) as chat messages; `where` starts every error.
+    `column`: the key holding the turns, when it is not the format's own."""
 
     def fail(message: str) -> DataFileError:
         return DataFileError(f"{where}: {message}")
 
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise fail(f"invalid JSON ({exc.msg}, column {exc.colno}); expected one JSON object per line") from None
     if not isinstance(record, dict):
         raise fail(f"a JSON {type(record).__name__}; expected an object with 'messages' or 'conversations'")
     if fmt == "auto":
-        found = [name for name, (turns_key, *_) in FORMATS.items() if turns_key in record]
+        found = [name for name, (turns_key, *_) in FORMATS.items() if (column or turns_key) in record]
+        if column and column in record:
+            found = _layout_of(record[column])
         if len(found) != 1:
             raise fail(
-                f"keys {sorted(record)}: expected exactly one of 'messages' (OpenAI) or 'conversations' (ShareGPT)"
+                f"keys {sorted(record)}: expected exactly one of 'messages' (OpenAI), 'conversations' (ShareGPT) or "
+                "'data' (UltraChat); name the layout with data.format"
             )
         fmt = found[0]
     turns_key, speaker_key, text_key, roles = FORMATS[fmt]
+    turns_key = column or turns_key
     turns = record.get(turns_key)
     if not isinstance(turns, list) or not turns:
         raise fail(f"keys {sorted(record)}: expected {turns_key!r}, a non-empty list of turns (data.format={fmt})")
-    conversation: Conversation = []
-    for i, turn in enumerate(turns):
-        at = f"{turns_key}[{i}]"
-        if not isinstance(turn, dict):
-            raise fail(
-                f"{at} is a JSON {type(turn).__name__}; expected an object with {speaker_key!r} and {text_key!r}"
-            )
-        speaker, text = turn.get(speaker_key), turn.get(text_key)
-        if not isinstance(speaker, str) or speaker not in roles:
-            raise fail(f"{at}.{speaker_key}={speaker!r}: expected one of {sorted(roles)}")
-        if not isinstance(text, str):
-            raise fail(f"{at}.{text_key} is {type(text).__name__}; expected a string")
-        if not text.strip():
-            raise fail(f"{at}.{text_key} is empty; every turn needs text")
-        conversation.append({"role": roles[speaker], "content": text})
+    if fmt == "ultrachat":
+        if not all(isinstance(t, str) and t.strip() for t in turns):
+            raise fail(f"{turns_key}: expected a list of non-empty strings, user and assistant in turn (UltraChat)")
+        conversation = [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)]
+    else:
+        conversation = [_turn(turn, f"{turns_key}[{i}]", fmt, fail) for i, turn in enumerate(turns)]
     first_answer = next((i for i, m in enumerate(conversation) if m["role"] == "assistant"), None)
     if first_answer is None:
         raise fail("no assistant turn: nothing to train on (the loss covers assistant tokens only)")
     if not any(m["role"] == "user" for m in conversation[:first_answer]):
         raise fail(f"{turns_key}[{first_answer}] answers before any user turn; the prompt would be empty")
     return conversation
+
+
+def _layout_of(turns) -> list[str]:
+    if isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns):
+        return ["ultrachat"]
+    first = turns[0] if isinstance(turns, list) and turns else None
+    if isinstance(first, dict):
+        return [name for name, (_, speaker, *_) in FORMATS.items() if speaker and speaker in first][:1]
+    return []
+
+
+def _turn(turn, at: str, fmt: str, fail) -> dict:
+    _, speaker_key, text_key, roles = FORMATS[fmt]
+    if not isinstance(turn, dict):
+        raise fail(f"{at} is a JSON {type(turn).__name__}; expected an object with {speaker_key!r} and {text_key!r}")
+    speaker, text = turn.get(speaker_key), turn.get(text_key)
+    if not isinstance(speaker, str) or speaker not in roles:
+        raise fail(f"{at}.{speaker_key}={speaker!r}: expected one of {sorted(roles)}")
+    message = {"role": roles[speaker]}
+    if speaker == "function_call":  # ShareGPT's tool call: the value is the call as JSON
+        try:
+            call = json.loads(text) if isinstance(text, str) else None
+        except json.JSONDecodeError:
+            call = None
+        if not isinstance(call, dict) or "name" not in call:
+            raise fail(f"{at}.{text_key}: a function_call's value must be JSON with 'name' and 'arguments'")
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass  # a template may take the arguments as a string
+        return message | {"content": "", "tool_calls": [{"type": "function", "function": {
+            "name": call["name"], "arguments": arguments}}]}  # fmt: skip
+    message |= {k: turn[k] for k in TOOL_KEYS if fmt == "openai" and turn.get(k) is not None}
+    if text is None and message.get("tool_calls"):
+        text = ""  # an assistant turn that only calls tools
+    if not isinstance(text, str):
+        raise fail(f"{at}.{text_key} is {type(text).__name__}; expected a string")
+    if not text.strip() and not message.get("tool_calls"):
+        raise fail(f"{at}.{text_key} is empty; every turn needs text")
+    if message.get("tool_calls") is not None and (message["role"] != "assistant" or not isinstance(
+            message["tool_calls"], list)):  # fmt: skip
+        raise fail(f"{at}.tool_calls: expected a list, on an assistant turn")
+    return message | {"content": text}
 
 
 class ChatTemplateError(ValueError):

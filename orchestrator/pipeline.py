@@ -22,6 +22,7 @@ from orchestrator import layers as layer_contract
 from orchestrator import preflight, runner, tracking
 from orchestrator.artifacts import CODE_VERSION, MANIFEST, file_sha256, stable_hash, write_json
 from orchestrator.config import RootConfig, captured_layers, extract_storage, tasks_per_node, world_size
+from orchestrator.data import data_identity
 from orchestrator.targets import target_dir
 
 
@@ -62,6 +63,11 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     data = _subtree(cfg, "data")
     # a user's file edited in place is another data set: its content, not its path, keys the extraction
     data["file_sha256"] = [file_sha256(Path(f)) for f in [*cfg.data.train_files, *cfg.data.val_files]]
+    if cfg.data.name == "hf":  # a data set's files, or a hub name's revision (orchestrator.data.data_identity)
+        data["hf"] = data_identity(cfg.data)
+    else:  # data=hf's keys, at their defaults elsewhere: the keys of runs made before they existed stay the same
+        for key in ("path", "subset", "data_files", "revision", "train_split", "val_split", "column", "streaming"):
+            data.pop(key)
     if cfg.data.chat_template is not None:  # the template's text renders the sequences, not where it lies
         data["chat_template"] = file_sha256(Path(cfg.data.chat_template))
     else:  # the target's own template is part of the target's identity

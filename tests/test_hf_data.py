@@ -1,0 +1,163 @@
+"""data=hf: a Hugging Face `datasets` data set as users keep it (local files and folders in the OpenAI-messages,
+ShareGPT and UltraChat layouts, a save_to_disk folder with its splits, a hub name that must already be cached),
+read row by row and only as far as the caps need; tool-call turns kept for the chat template to render."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import compose_config
+
+from orchestrator.config import ConfigError
+from orchestrator.data import DataFileError, conversations, parse_record, render
+
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+
+
+def chat(i: int) -> list[dict]:
+    return [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": f"question {i}"},
+        {"role": "assistant", "content": f"answer {i}"},
+    ]
+
+
+def openai_row(i: int) -> dict:
+    return {"messages": chat(i), "id": i}
+
+
+def sharegpt_row(i: int) -> dict:
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    return {"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in chat(i)]}
+
+
+def ultrachat_row(i: int) -> dict:
+    return {"id": str(i), "data": [f"question {i}", f"answer {i}"]}
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def hf(tmp_path, *overrides: str):
+    return compose_config(tmp_path / "outputs", "data=hf", *overrides)
+
+
+def test_each_layout_from_local_files(tmp_path):
+    """A parquet file of OpenAI messages, a folder of ShareGPT JSON Lines and an UltraChat file read through the
+    builder name: each gives the same conversations, held out under the seed."""
+    import datasets
+
+    parquet = tmp_path / "openai.parquet"
+    datasets.Dataset.from_list([openai_row(i) for i in range(40)]).to_parquet(str(parquet))
+    write_jsonl(tmp_path / "sharegpt" / "part-0.jsonl", [sharegpt_row(i) for i in range(20)])
+    write_jsonl(tmp_path / "sharegpt" / "part-1.jsonl", [sharegpt_row(i) for i in range(20, 40)])
+    ultra = write_jsonl(tmp_path / "ultrachat.jsonl", [ultrachat_row(i) for i in range(40)])
+
+    seen = []
+    for overrides in (
+        [f"data.path={parquet}"],
+        [f"data.path={tmp_path / 'sharegpt'}"],
+        ["data.path=json", f"data.data_files=[{ultra}]", "data.format=ultrachat"],
+    ):
+        cfg = hf(tmp_path, *overrides, "data.val_fraction=0.25")
+        train, val = conversations(cfg.data, cfg.seed)
+        assert len(train) + len(val) == 40 and len(val) > 0
+        seen.append((train, val))
+    ultra_train, ultra_val = seen[2]
+    # UltraChat has no system turn: the same conversations without it
+    assert [[m for m in c if m["role"] != "system"] for c in seen[0][0]] == ultra_train
+    assert seen[0] == seen[1] and [c[1:] for c in seen[0][1]] == ultra_val
+    # the seed decides the held-out rows
+    cfg = hf(tmp_path, f"data.path={parquet}", "data.val_fraction=0.25", "seed=1")
+    assert conversations(cfg.data, cfg.seed)[1] != seen[0][1]
+
+
+def test_a_saved_data_set_with_its_own_validation_split(tmp_path):
+    import datasets
+
+    saved = tmp_path / "saved"
+    datasets.DatasetDict(
+        {
+            "train_sft": datasets.Dataset.from_list([openai_row(i) for i in range(30)]),
+            "test_sft": datasets.Dataset.from_list([openai_row(i) for i in range(100, 110)]),
+        }
+    ).save_to_disk(str(saved))
+    cfg = hf(tmp_path, f"data.path={saved}", "data.train_split=train_sft", "data.val_split=test_sft",
+             "data.val_fraction=null", "data.max_train_conversations=25")  # fmt: skip
+    train, val = conversations(cfg.data, cfg.seed)
+    assert train == [chat(i) for i in range(25)] and val == [chat(i) for i in range(100, 110)]
+    cfg = hf(tmp_path, f"data.path={saved}", "data.train_split=train")
+    with pytest.raises(DataFileError, match=r"data.train_split='train': .* holds the splits \['test_sft', 'train_sft'\]"):
+        conversations(cfg.data, cfg.seed)
+
+
+def test_rows_are_read_only_as_far_as_the_caps_need(tmp_path):
+    """Streamed: a bad row after the rows the caps take is never read; with larger caps it is reached, and the
+    error names the data set, the split and the row."""
+    rows = [openai_row(i) for i in range(200)] + [{"messages": [{"role": "user", "content": "no answer"}]}]
+    data = write_jsonl(tmp_path / "big.jsonl", rows)
+    cfg = hf(tmp_path, "data.path=json", f"data.data_files=[{data}]", "data.max_train_conversations=20",
+             "data.max_val_conversations=5", "data.val_fraction=0.2")  # fmt: skip
+    train, val = conversations(cfg.data, cfg.seed)
+    assert (len(train), len(val)) == (20, 5)
+    cfg = hf(tmp_path, "data.path=json", f"data.data_files=[{data}]", "data.max_train_conversations=1000")
+    with pytest.raises(DataFileError, match=r"\[train\] row 200: no assistant turn"):
+        conversations(cfg.data, cfg.seed)
+
+
+def test_a_hub_name_not_in_the_local_cache_is_never_downloaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-home"))
+    cfg = hf(tmp_path, "data.path=acme/no-such-chats")
+    with pytest.raises(DataFileError, match=r"data.path='acme/no-such-chats': .*not in the local `datasets` cache"):
+        conversations(cfg.data, cfg.seed)
+
+
+def test_config_errors_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.path is unset: data=hf needs a data set"):
+        hf(tmp_path)
+    with pytest.raises(ConfigError, match=r"data.path='x': a key of data=hf, not of data=jsonl"):
+        compose_config(tmp_path, "data=jsonl", "+data.path=x")
+    with pytest.raises(ConfigError, match=r"data.data_files\[0\]='missing.jsonl': no such file"):
+        hf(tmp_path, "data.path=json", "data.data_files=[missing.jsonl]")
+    with pytest.raises(ConfigError, match=r"data.val_split='test' and data.val_fraction=0.05"):
+        hf(tmp_path, "data.path=json", "data.val_split=test")
+
+
+TOOL_CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+TOOL_CHAT = [
+    {"role": "system", "content": "You can call tools."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": TOOL_CALL}]},
+    {"role": "tool", "content": "18C and sunny"},
+    {"role": "assistant", "content": "It is 18C and sunny."},
+]
+
+
+def test_tool_call_turns_are_kept_in_both_layouts_and_masked_as_the_assistant_writes_them():
+    """OpenAI messages with tool_calls and a tool turn, and ShareGPT's function_call/observation, parse to the same
+    messages; under Qwen 2.5's published template (it renders tool calls) the mask is the assistant's tool call and
+    its answer, each with its end marker, and never the tool's output or the user's question."""
+    from test_chat_templates import masked_runs, tokenizer_for
+
+    assert parse_record({"messages": TOOL_CHAT}, "auto", "row") == TOOL_CHAT
+    sharegpt = {
+        "conversations": [
+            {"from": "system", "value": "You can call tools."},
+            {"from": "human", "value": "Weather in Paris?"},
+            {"from": "function_call", "value": json.dumps(TOOL_CALL)},
+            {"from": "observation", "value": "18C and sunny"},
+            {"from": "gpt", "value": "It is 18C and sunny."},
+        ]
+    }
+    assert parse_record(sharegpt, "auto", "row") == TOOL_CHAT
+    tokenizer = tokenizer_for((TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text())
+    runs = masked_runs(tokenizer, TOOL_CHAT)
+    assert len(runs) == 2 and "get_weather" in runs[0] and runs[0].endswith("<|im_end|>"), runs
+    assert runs[1] == "It is 18C and sunny.<|im_end|>", runs
+    assert not any("18C and sunny" in r for r in runs[:1]) and not any("Weather in Paris" in r for r in runs)
+    assert sum(render(tokenizer, TOOL_CHAT, 1 << 20).loss_mask) > 0
