@@ -92,7 +92,8 @@ def test_a_saved_data_set_with_its_own_validation_split(tmp_path):
     train, val = conversations(cfg.data, cfg.seed)
     assert train == [chat(i) for i in range(25)] and val == [chat(i) for i in range(100, 110)]
     cfg = hf(tmp_path, f"data.path={saved}", "data.train_split=train")
-    with pytest.raises(DataFileError, match=r"data.train_split='train': .* holds the splits \['test_sft', 'train_sft'\]"):
+    splits = r"data.train_split='train': .* holds the splits \['test_sft', 'train_sft'\]"
+    with pytest.raises(DataFileError, match=splits):
         conversations(cfg.data, cfg.seed)
 
 
