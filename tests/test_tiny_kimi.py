@@ -166,3 +166,29 @@ def test_tiny_kimi_pipeline_all_four_stages(tiny_config, tmp_path):
     assert layer_contract.captured_layers(layer_contract.SGLANG_FIRST_ID, ids, 6) == [-1, 2, 3]
     serve = summary["stages"]["serve"]
     assert serve["greedy_outputs_identical"] is True and serve["accept_length"] >= 1.0
+
+
+def test_the_tiny_kimi_speaks_kimis_published_template(kimi_dir):
+    """Kimi-K2's published chat template (orchestrator/tiny/templates, from ggml-org/llama.cpp) with its markers as
+    special tokens, `<|im_end|>` the end of a turn and eos: the Kimi experiment's CPU run renders, masks and stops
+    as a real Kimi does. The mask is found without `{% generation %}` markers, which the template has none of."""
+    from transformers import AutoTokenizer
+
+    from orchestrator.data import assistant_spans, render
+    from orchestrator.tiny.build import TEMPLATES_DIR
+
+    tok = AutoTokenizer.from_pretrained(str(kimi_dir))
+    published = (TEMPLATES_DIR / "moonshotai-Kimi-K2.jinja").read_text()
+    assert tok.chat_template == published and "{% generation %}" not in published
+    assert published == (Path(__file__).parent / "data" / "chat_templates" / "moonshotai-Kimi-K2.jinja").read_text()
+    assert tok.eos_token == "<|im_end|>" and json.loads((kimi_dir / "config.json").read_text())["text_config"][
+        "eos_token_id"
+    ] == tok.convert_tokens_to_ids("<|im_end|>")
+    for marker in ("<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"):
+        assert len(tok(marker, add_special_tokens=False)["input_ids"]) == 1, marker
+    conversation = [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "Seven."}]
+    full, spans = assistant_spans(tok, conversation)
+    assert full.startswith("<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|>")
+    assert [full[a:b] for a, b in spans] == ["Seven.<|im_end|>"]
+    rendered = render(tok, conversation, 1 << 20)
+    assert tok.decode([i for i, m in zip(rendered.input_ids, rendered.loss_mask) if m]) == "Seven.<|im_end|>"

@@ -53,6 +53,33 @@ END_TOKEN = "<|end|>"  # doubles as eos
 ROLE_TOKENS = ("<|user|>", "<|assistant|>", "<|system|>")
 SPECIAL_TOKENS = (PAD_TOKEN, END_TOKEN, *ROLE_TOKENS)
 
+# Per arch, a published chat template and its special tokens instead of the project's own (the arch's real
+# tokenizer has them): (template file under tiny/templates, special tokens, eos, pad). Kimi-K2's template as
+# ggml-org/llama.cpp vendors it (models/templates/moonshotai-Kimi-K2.jinja @ 566059a26b0ce8faec4ea053605719d399c64cc5,
+# tests/data/chat_templates/SOURCES.md); its markers are Kimi's special tokens, `<|im_end|>` ends a turn (Kimi's
+# generation_config stops there). The tokenizer itself stays a small BPE: Kimi's own is tiktoken remote code.
+PUBLISHED_TEMPLATES = {
+    "kimi_k25": (
+        "moonshotai-Kimi-K2.jinja",
+        (
+            "[PAD]",
+            "<|im_end|>",
+            "<|im_system|>",
+            "<|im_user|>",
+            "<|im_assistant|>",
+            "<|im_middle|>",
+            "<|tool_calls_section_begin|>",
+            "<|tool_calls_section_end|>",
+            "<|tool_call_begin|>",
+            "<|tool_call_argument_begin|>",
+            "<|tool_call_end|>",
+        ),  # fmt: skip
+        "<|im_end|>",
+        "[PAD]",
+    )
+}
+TEMPLATES_DIR = Path(__file__).with_name("templates")
+
 REPORT_NAME = "build_report.json"
 ARCHS = ("llama", "deepseek_v3", "kimi_k25")
 # arch -> the multimodal wrapper its checkpoint is saved in
@@ -83,13 +110,24 @@ MODEL_KEYS = ("vocab_size", "max_position_embeddings")  # read by the builder it
 
 
 def train_tokenizer(
-    texts: Sequence[str], vocab_size: int, out_dir: Path | None = None, *, model_max_length: int = 2048
+    texts: Sequence[str],
+    vocab_size: int,
+    out_dir: Path | None = None,
+    *,
+    model_max_length: int = 2048,
+    arch: str = "llama",
 ):
-    """Train a byte-level BPE tokenizer; return it as a ``PreTrainedTokenizerFast``.
+    """Train a byte-level BPE tokenizer; return it as a ``PreTrainedTokenizerFast``, with the project's chat
+    template, or the arch's published one and its special tokens (PUBLISHED_TEMPLATES).
 
     If ``out_dir`` is given the tokenizer is saved there (tokenizer.json, tokenizer_config.json,
     chat template) and is loadable with ``AutoTokenizer.from_pretrained(out_dir)``.
     """
+    if arch in PUBLISHED_TEMPLATES:
+        name, specials, eos, pad = PUBLISHED_TEMPLATES[arch]
+        template = (TEMPLATES_DIR / name).read_text()
+    else:
+        specials, eos, pad, template = SPECIAL_TOKENS, END_TOKEN, PAD_TOKEN, CHAT_TEMPLATE
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -98,17 +136,17 @@ def train_tokenizer(
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(list(texts), trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token=END_TOKEN,
-        pad_token=PAD_TOKEN,
-        additional_special_tokens=list(ROLE_TOKENS),
-        chat_template=CHAT_TEMPLATE,
+        eos_token=eos,
+        pad_token=pad,
+        additional_special_tokens=[t for t in specials if t not in (eos, pad)],
+        chat_template=template,
         model_max_length=model_max_length,
     )
     if out_dir is not None:
@@ -134,8 +172,12 @@ def _normalize_spec(arch: str, model: dict, train: dict, seed: int) -> dict[str,
     tr = dict(train)
     if tr["steps"] is None and tr["seconds"] is None:
         raise ValueError("train needs 'steps' and/or 'seconds'")
+    spec = {"arch": arch, "model": dict(model), "train": tr, "seed": int(seed)}
+    if arch in PUBLISHED_TEMPLATES:  # the template's text decides the tokens trained on
+        name = PUBLISHED_TEMPLATES[arch][0]
+        spec["chat_template"] = hashlib.sha256((TEMPLATES_DIR / name).read_bytes()).hexdigest()
     # json round trip: tuples -> lists, so a spec compares equal to the one read back from disk.
-    return json.loads(json.dumps({"arch": arch, "model": dict(model), "train": tr, "seed": int(seed)}, sort_keys=True))
+    return json.loads(json.dumps(spec, sort_keys=True))
 
 
 def spec_hash(arch: str, model: dict, train: dict, seed: int) -> str:
@@ -240,10 +282,12 @@ def _eval_blocks(tokenizer, convs: list[Conversation], seq_len: int, n_blocks: i
     ids: list[int] = []
     mask: list[int] = []
     need = seq_len * n_blocks
+    from orchestrator.data import render  # the assistant mask under any template, as extraction takes it
+
     for conv in convs:
-        enc = tokenizer.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        ids.extend(enc["input_ids"])
-        mask.extend(enc["assistant_masks"])
+        rendered = render(tokenizer, conv, 1 << 30)
+        ids.extend(rendered.input_ids)
+        mask.extend(rendered.loss_mask)
         if len(ids) >= need:
             break
     n = len(ids) // seq_len
@@ -305,7 +349,7 @@ def _train_and_save(tmp: Path, spec: dict[str, Any], progress: bool) -> dict[str
     rng.shuffle(tok_texts)
     tok_vocab = tr["tokenizer_vocab_size"] or model_over["vocab_size"]
     max_pos = model_over["max_position_embeddings"]
-    tokenizer = train_tokenizer(tok_texts[: tr["tokenizer_max_texts"]], tok_vocab, model_max_length=max_pos)
+    tokenizer = train_tokenizer(tok_texts[: tr["tokenizer_max_texts"]], tok_vocab, model_max_length=max_pos, arch=arch)
     t_tok = time.perf_counter()
 
     config = _make_config(arch, model_over, tokenizer)
