@@ -216,6 +216,50 @@ def test_vllms_own_loader_takes_every_weight_of_a_deepseek_family_export(vllm_py
     assert _loaded(report) == CLEAN_LOAD and report["problems"] == [], report
 
 
+@pytest.mark.vllm
+def test_vllms_own_capture_lands_every_id_the_contract_allows_on_the_state_it_names(
+    vllm_python, fast_cache, tiny_config, tmp_path
+):
+    """vLLM's extractor (`extract_hidden_states`, the project's CPU connector) asked for every id the layer
+    contract allows on the tiny Llama (0 through N: the embedding, each layer's input, the last layer's output),
+    in vLLM's one-pass mode (generate, then the states of prompt plus response): each id's states equal, within
+    float32 rounding, HF's states at the canonical layer the contract maps it to (`HiddenStateCapture`, extraction's
+    own capture). The last id is the last layer's output before the final norm. The response vLLM generated is
+    HF's greedy one, token for token."""
+    from orchestrator import layers as layer_contract
+    from orchestrator.capture import HiddenStateCapture
+    from orchestrator.targets import load_target
+
+    fast_cache("extract")
+    cfg = tiny_config("cluster=local", "serve=vllm")
+    target = Path(make_plan(cfg, tmp_path).target_dir)
+    n = cfg.target.num_hidden_layers
+    ids = list(range(n + 1))
+    canonical = layer_contract.from_engine_ids("vllm", ids, n, cfg.target.family, "0.32.0")
+    assert canonical == list(range(-1, n)), canonical
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24]]
+    report = vllm_engine.capture_states(vllm_python, target, ids, prompts, tmp_path / "states",
+                                        include_output_tokens=True, max_tokens=6)  # fmt: skip
+    assert report["vllm_version"] == "0.32.0"
+
+    model, _ = load_target(target)  # the CPU, float32
+    for prompt, generated, file in zip(prompts, report["generated"], report["files"]):
+        with torch.no_grad():
+            greedy = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt) :]
+        assert generated == greedy.tolist(), (generated, greedy.tolist())
+        captured = load_file(file)
+        tokens = prompt + generated[:-1]  # the last generated token was never an input
+        assert captured["token_ids"].tolist() == tokens
+        states = captured["hidden_states"]
+        assert states.shape == (len(tokens), len(ids), cfg.target.hidden_size)
+        with HiddenStateCapture(model, canonical) as capture, torch.no_grad():
+            model(torch.tensor([tokens]))
+            for slot, (vllm_id, layer) in enumerate(zip(ids, canonical)):
+                hf = capture.state(capture.points[slot])[0]
+                error = (states[:, slot] - hf).abs().max() / hf.abs().max()
+                assert error < 1e-4, (vllm_id, layer, capture.points[slot], float(error))
+
+
 def test_the_seeds_kimi_triple_cannot_be_served_by_vllm_and_says_why(tmp_path):
     """vLLM 0.32's DeepSeek model (Kimi's) fails on id 0, so the embedding cannot be an aux layer there: composing
     the Kimi experiment with serve=vllm fails at once, naming the rule and its source."""

@@ -4,6 +4,7 @@ docs/engines.md#vllm).
     launch_command   the `python -m vllm.entrypoints.openai.api_server ...` argv (`vllm serve`'s server), baseline
                      or EAGLE-3 speculative (`--speculative-config {"method": "eagle3", ...}`)
     server_env       what the engine needs in its environment on a machine without GPUs
+    capture_states   the target's states at given layer ids, by vLLM's own extractor (vllm_side/capture.py)
     check_draft_loads  the exported draft loaded by vLLM's own model loader (vllm_side/load_check.py, run in vLLM's
                      environment): every checkpoint tensor used, every parameter loaded, before any server starts
     benchmark        one pass over the prompt set through /v1/completions, with the pass's speculative-decoding
@@ -110,6 +111,36 @@ LOAD_CHECK = Path(__file__).with_name("vllm_side") / "load_check.py"
 # Checkpoint tensors vLLM reads and drops by design: its EAGLE-3 Llama draft maps draft ids to target ids with d2t
 # alone and skips t2d (`Eagle3LlamaForCausalLM.load_weights`, vllm/model_executor/models/llama_eagle3.py).
 DROPPED_BY_DESIGN = {"t2d": "the target-to-draft vocabulary map, which vLLM does not use"}
+
+
+CAPTURE = Path(__file__).with_name("vllm_side") / "capture.py"
+
+
+def capture_states(
+    python: str, target_path: Path | str, ids: list[int], prompts: list[list[int]], out: Path, *,
+    include_output_tokens: bool = False, max_tokens: int = 1, max_model_len: int = 512, dtype: str = "float32",
+    timeout: float = 1800,
+) -> dict:  # fmt: skip
+    """The target's states at vLLM layer ids `ids` for each prompt, captured by vLLM's own extractor
+    (`extract_hidden_states`, vllm_side/capture.py in vLLM's environment `python`). Request i's states are in
+    `out/<i>.safetensors` (`hidden_states` [tokens, len(ids), hidden], `token_ids`); with
+    `include_output_tokens`, vLLM first generates `max_tokens` greedily and the tokens are prompt and response
+    (its last token excepted) in one pass. Returns the script's report (files, generated ids, vLLM's version)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    request = {
+        "target": str(target_path), "ids": list(ids), "prompts": prompts, "out": str(out), "dtype": dtype,
+        "max_model_len": max_model_len, "include_output_tokens": include_output_tokens, "max_tokens": max_tokens,
+    }  # fmt: skip
+    (out / "request.json").write_text(json.dumps(request))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB}
+    proc = subprocess.run(
+        [python, str(CAPTURE), str(out / "request.json")], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM's capture failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return json.loads(lines[-1])
 
 
 def check_draft_loads(cfg: RootConfig, target_path: Path | str, draft_dir: Path | str, timeout: float = 600) -> dict:
