@@ -173,6 +173,10 @@ class ExtractConfig:
     # limit is far longer), so a rank that died or hangs ends a multi-task job in minutes.
     collective_timeout_min: float = MISSING
     resources: Resources = MISSING
+    # What computes the states: hf (transformers, in this project's environment) or vllm (vLLM's own extractor,
+    # `extract_hidden_states`, in its environment `python`: orchestrator/serving/vllm_side/capture.py).
+    engine: str = "hf"
+    python: Optional[str] = None
 
 
 @dataclass
@@ -415,6 +419,7 @@ def validate(cfg: RootConfig) -> None:
         f"extract.teacher={cfg.extract.teacher!r}: expected one of {layer_contract.TEACHER_KINDS}",
     )
     check(cfg.extract.dtype in DTYPES, f"extract.dtype={cfg.extract.dtype!r}: expected one of {DTYPES}")
+    check_extract_engine(cfg)
     check(cfg.draft.torch_dtype in DTYPES, f"draft.torch_dtype={cfg.draft.torch_dtype!r}: expected one of {DTYPES}")
     check(cfg.train.ttt_steps >= 1, f"train.ttt_steps={cfg.train.ttt_steps}: expected >= 1")
     check(cfg.serve.engine in ENGINES, f"serve.engine={cfg.serve.engine!r}: expected one of {ENGINES}")
@@ -615,6 +620,40 @@ def check_hf_data(d: DataConfig) -> None:
         d.data_files = [f if "://" in f else str(Path(f).resolve()) for f in d.data_files]
     if Path(d.path).exists():
         d.path = str(Path(d.path).resolve())
+
+
+EXTRACT_ENGINES = ("hf", "vllm")
+
+
+def check_extract_engine(cfg: RootConfig) -> None:
+    """extract.engine=vllm before any job: its environment, ids vLLM can capture for the layers and the teacher
+    (the last layer's output, id N), and no regeneration that needs the target in this project's environment."""
+    e, t = cfg.extract, cfg.target
+    if e.engine not in EXTRACT_ENGINES:
+        raise ConfigError(f"extract.engine={e.engine!r}: expected one of {EXTRACT_ENGINES}")
+    if e.engine == "hf":
+        return
+    if not e.python or not Path(e.python).is_file():
+        raise ConfigError(
+            f"extract.python={e.python!r}: extract.engine=vllm runs vLLM from its own environment; build it with "
+            "bash scripts/make_vllm_env.sh (outputs/vllm-env) or set VLLM_PYTHON"
+        )
+    r = cfg.data.regenerate
+    if r.enabled and r.engine == "hf":
+        raise ConfigError(
+            "data.regenerate.engine=hf with extract.engine=vllm: the HF engine regenerates with the target loaded in "
+            "this project's environment, which a vLLM extraction never loads; set data.regenerate.engine=server"
+        )
+    try:
+        layer_contract.to_engine_ids(
+            "vllm",
+            [*captured_layers(cfg), t.num_hidden_layers - 1],
+            t.num_hidden_layers,
+            t.family,
+            cfg.serve.vllm_version,
+        )
+    except layer_contract.LayerContractError as exc:
+        raise ConfigError(f"extract.engine=vllm: {exc}") from None
 
 
 def check_regenerate(cfg: RootConfig) -> None:

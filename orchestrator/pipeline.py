@@ -60,6 +60,11 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     extract.pop("extra_layers")
     extract.pop("max_bytes")  # a budget, not an input: the same shards whatever it is
     extract.pop("force")  # how, not what: the same shards again
+    extract.pop("python")  # where vLLM lives; its version is the engine's (below)
+    if cfg.extract.engine == "hf":  # the keys of extractions made before engines were chosen stay the same
+        extract.pop("engine")
+    else:
+        extract["engine_version"] = cfg.serve.vllm_version
     data = _subtree(cfg, "data")
     # a user's file edited in place is another data set: its content, not its path, keys the extraction
     data["file_sha256"] = [file_sha256(Path(f)) for f in [*cfg.data.train_files, *cfg.data.val_files]]

@@ -260,6 +260,56 @@ def test_vllms_own_capture_lands_every_id_the_contract_allows_on_the_state_it_na
                 assert error < 1e-4, (vllm_id, layer, capture.points[slot], float(error))
 
 
+@pytest.mark.vllm
+def test_an_extraction_by_vllm_equals_the_hf_extraction(vllm_python, fast_cache, tiny_config, tmp_path, monkeypatch):
+    """extract.engine=vllm: the FAST extraction's sequences through vLLM's extractor, written as the project's
+    shards (aux layers at vLLM's ids, the teacher from id N with the target's final norm applied), equal the HF
+    engine's shards: the same token ids and masks, and states within float32 rounding. The manifest and the cache
+    key name the engine."""
+    monkeypatch.setenv("VLLM_PYTHON", vllm_python)
+    outputs = copy_cache(fast_cache("extract"), tmp_path / "outputs", ("targets",))
+    common = ("cluster=local", f"outputs_dir={outputs}", "data.regenerate.enabled=false", "extract.dtype=float32",
+              "stages=[extract]")  # fmt: skip
+    folders = {}
+    for engine in ("hf", "vllm"):
+        cfg = tiny_config(*common, f"extract.engine={engine}")
+        run_pipeline(cfg, tmp_path / engine)
+        folders[engine] = make_plan(cfg, tmp_path / engine).dir("extract")
+    assert folders["hf"] != folders["vllm"]
+    manifest = read_json(folders["vllm"] / "manifest.json", "manifest")
+    assert manifest["capture_engine"] == {"name": "vllm", "vllm_version": "0.32.0", "ids": [2, 5, 7, 8]}
+    assert read_json(folders["hf"] / "manifest.json", "manifest")["capture_engine"] == {"name": "hf"}
+    shards = sorted(p.relative_to(folders["hf"]) for p in folders["hf"].glob("*/shard_*.safetensors"))
+    assert len(shards) >= 4 and shards == sorted(
+        p.relative_to(folders["vllm"]) for p in folders["vllm"].glob("*/shard_*.safetensors")
+    )
+    worst = 0.0
+    for shard in shards:
+        hf, vllm = load_file(str(folders["hf"] / shard)), load_file(str(folders["vllm"] / shard))
+        assert hf.keys() == vllm.keys()
+        for key in ("input_ids", "loss_mask", "seq_lens"):
+            assert torch.equal(hf[key], vllm[key]), (shard, key)
+        for key in ("aux_hidden_states", "teacher_hidden_state"):
+            worst = max(worst, float((hf[key] - vllm[key]).abs().max() / hf[key].abs().max()))
+    assert worst < 1e-4, worst
+
+
+def test_a_vllm_extraction_is_checked_before_any_job(tmp_path):
+    """Its environment must exist, and a regeneration by the HF engine (which loads the target in this project's
+    environment, which a vLLM extraction never does) is refused, naming the key to set."""
+    from conftest import compose_config
+
+    from orchestrator.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"extract.python='/nonexistent/python': extract.engine=vllm runs vLLM"):
+        compose_config(tmp_path, "extract.engine=vllm", "extract.python=/nonexistent/python")
+    with pytest.raises(ConfigError, match=r"set data.regenerate.engine=server"):
+        compose_config(tmp_path, "extract.engine=vllm", f"extract.python={sys.executable}")
+    cfg = compose_config(tmp_path, "extract.engine=vllm", f"extract.python={sys.executable}",
+                         "data.regenerate.enabled=false")  # fmt: skip
+    assert cfg.extract.engine == "vllm"
+
+
 def test_the_seeds_kimi_triple_cannot_be_served_by_vllm_and_says_why(tmp_path):
     """vLLM 0.32's DeepSeek model (Kimi's) fails on id 0, so the embedding cannot be an aux layer there: composing
     the Kimi experiment with serve=vllm fails at once, naming the rule and its source."""

@@ -119,7 +119,7 @@ CAPTURE = Path(__file__).with_name("vllm_side") / "capture.py"
 def capture_states(
     python: str, target_path: Path | str, ids: list[int], prompts: list[list[int]], out: Path, *,
     include_output_tokens: bool = False, max_tokens: int = 1, max_model_len: int = 512, dtype: str = "float32",
-    timeout: float = 1800,
+    tensor_parallel_size: int = 1, timeout: float = 3600,
 ) -> dict:  # fmt: skip
     """The target's states at vLLM layer ids `ids` for each prompt, captured by vLLM's own extractor
     (`extract_hidden_states`, vllm_side/capture.py in vLLM's environment `python`). Request i's states are in
@@ -131,6 +131,7 @@ def capture_states(
     request = {
         "target": str(target_path), "ids": list(ids), "prompts": prompts, "out": str(out), "dtype": dtype,
         "max_model_len": max_model_len, "include_output_tokens": include_output_tokens, "max_tokens": max_tokens,
+        "tensor_parallel_size": tensor_parallel_size,
     }  # fmt: skip
     (out / "request.json").write_text(json.dumps(request))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB}

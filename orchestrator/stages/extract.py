@@ -89,7 +89,11 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
                 _sequences(None, tokenizer, shards[split][index], split, index, out, cfg, endpoint)
         regenerate_s = time.time() - started
     model = tokenizer = None
-    if todo:  # a restarted extraction with every shard done, or a rank with none left, never loads the target
+    vllm_states: dict[tuple[str, int], list[dict[str, torch.Tensor]]] = {}
+    if todo and cfg.extract.engine == "vllm":  # vLLM computes every state in one engine run; no HF target here
+        tokenizer = load_tokenizer(target_path, cfg.target.trust_remote_code, cfg.data.chat_template)
+        vllm_states = _vllm_capture(tokenizer, shards, todo, layers, out, cfg, compute, target_path)
+    elif todo:  # a restarted extraction with every shard done, or a rank with none left, never loads the target
         model, tokenizer = load_target(target_path, cfg.target.trust_remote_code, compute, cfg.data.chat_template)
     else:
         print(f"[extract] rank {compute.rank}: all {len(mine)} of its shards are done; the target is not loaded")
@@ -101,7 +105,10 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         rendered = _sequences(model, tokenizer, shards[split][index], split, index, out, cfg)
         regenerate_s += time.time() - begin if cfg.data.regenerate.enabled else 0.0
         check_loss_fraction(rendered, cfg, f"{split} shard {index}", target_path)
-        tensors = _extract_chunk(model, tokenizer, rendered, layers, cfg, compute)
+        if cfg.extract.engine == "vllm":
+            tensors = _assemble_vllm_chunk(rendered, vllm_states[(split, index)], cfg)
+        else:
+            tensors = _extract_chunk(model, tokenizer, rendered, layers, cfg, compute)
         needs = sum(t.numel() * t.element_size() for t in tensors.values())  # the shard's data, without its header
         with atomic_path(shard, needs_bytes=needs) as tmp:
             save_file(tensors, str(tmp))
@@ -173,6 +180,18 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             "tokenizer_hash": target.tokenizer_hash,
             "aux_layers": layers,
             "hf_capture_points": [layer_contract.hf_capture_point(k, n) for k in layers],
+            # what computed the states: hf (transformers) or vLLM's extractor, at its ids for the layers and id N
+            "capture_engine": {"name": cfg.extract.engine}
+            | (
+                {
+                    "vllm_version": cfg.serve.vllm_version,
+                    "ids": layer_contract.to_engine_ids(
+                        "vllm", [*layers, n - 1], n, cfg.target.family, cfg.serve.vllm_version
+                    ),
+                }
+                if cfg.extract.engine == "vllm"
+                else {}
+            ),
             "teacher": {
                 "kind": cfg.extract.teacher,
                 "capture_point": layer_contract.hf_teacher_capture_point(cfg.extract.teacher, n),
@@ -356,6 +375,64 @@ def _sequences(
 
 
 @torch.no_grad()
+def _vllm_capture(tokenizer, shards, todo, layers, out: Path, cfg: RootConfig, compute: Compute, target_path: Path):
+    """Every sequence of this rank's `todo` shards through vLLM's extractor in one engine run: the aux layers and
+    the last layer's output (id N, before the final norm: the teacher's source), at the ids of vLLM's rule. Returns
+    per shard, per sequence, {"aux": [T, K*H], "teacher": [T, H]} in float32, the teacher as `extract.teacher`
+    asks (post_norm: the target's final RMSNorm applied here, as HF's model applies it)."""
+    import shutil
+
+    from orchestrator.compute import resolve_precision
+    from orchestrator.serving import vllm as vllm_engine
+    from orchestrator.targets import load_head_tensors, target_config_json
+
+    t = cfg.target
+    n = t.num_hidden_layers
+    wanted = [*layers, n - 1]  # the last layer's output for the teacher
+    ids = layer_contract.to_engine_ids("vllm", wanted, n, t.family, cfg.serve.vllm_version)
+    rendered = {(split, index): _sequences(None, tokenizer, shards[split][index], split, index, out, cfg)
+                for split, index in todo}  # fmt: skip
+    prompts = [r.input_ids for key in rendered for r in rendered[key]]
+    work = out / "vllm_states" / f"rank{compute.rank}"
+    if work.exists():
+        shutil.rmtree(work)
+    gpus = sum(d.type == "cuda" for d in compute.devices)
+    report = vllm_engine.capture_states(
+        cfg.extract.python, target_path, ids, prompts, work, max_model_len=cfg.data.max_seq_len + 8,
+        dtype=resolve_precision(cfg.extract.precision, gpus), tensor_parallel_size=max(1, gpus),
+    )  # fmt: skip
+    print(f"[extract] vLLM {report['vllm_version']} captured ids {ids} for {len(prompts)} sequences")
+    norm = load_head_tensors(target_path)["norm"]
+    eps = target_config_json(target_path).get("rms_norm_eps", 1e-6)
+    files = iter(report["files"])
+    states: dict[tuple[str, int], list[dict[str, torch.Tensor]]] = {}
+    for key, seqs in rendered.items():
+        states[key] = []
+        for r in seqs:
+            captured = load_file(next(files))
+            if captured["token_ids"].tolist() != list(r.input_ids):
+                raise ArtifactError(f"vLLM's capture of a {key[0]} sequence holds other tokens than were sent")
+            hs = captured["hidden_states"].float()  # [T, K+1, H], in the order of `wanted`
+            last = hs[:, -1]
+            if cfg.extract.teacher == "post_norm":
+                last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + eps) * norm
+            states[key].append({"aux": hs[:, : len(layers)].flatten(1), "teacher": last})
+    shutil.rmtree(work)
+    return states
+
+
+def _assemble_vllm_chunk(chunk, states: list[dict[str, torch.Tensor]], cfg: RootConfig) -> dict[str, torch.Tensor]:
+    """One shard in the project's format (as `_extract_chunk` writes it) from vLLM's captured states."""
+    dtype = DTYPES[cfg.extract.dtype]
+    return {
+        "input_ids": torch.cat([torch.tensor(r.input_ids) for r in chunk]).to(torch.int32),
+        "loss_mask": torch.cat([torch.tensor(r.loss_mask, dtype=torch.uint8) for r in chunk]),
+        "seq_lens": torch.tensor([len(r.input_ids) for r in chunk], dtype=torch.int32),
+        "aux_hidden_states": torch.cat([s["aux"].to(dtype) for s in states]).contiguous(),
+        "teacher_hidden_state": torch.cat([s["teacher"].to(dtype) for s in states]).contiguous(),
+    }
+
+
 def _extract_chunk(
     model, tokenizer, chunk, layers: list[int], cfg: RootConfig, compute: Compute
 ) -> dict[str, torch.Tensor]:

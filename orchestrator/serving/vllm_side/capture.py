@@ -5,7 +5,8 @@ Runs inside vLLM's environment, standalone (it imports vLLM, torch and safetenso
     python orchestrator/serving/vllm_side/capture.py REQUEST.json
 
 REQUEST.json: {"target": dir, "ids": [vLLM layer ids], "prompts": [[token ids], ...], "out": dir,
-"dtype": "float32", "max_model_len": int, "include_output_tokens": false, "max_tokens": 1}. vLLM runs the target
+"dtype": "float32", "max_model_len": int, "include_output_tokens": false, "max_tokens": 1,
+"tensor_parallel_size": 1}. vLLM runs the target
 with `speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}}` and the hidden-states connector
 (`hidden_states_connector.CPUHiddenStatesConnector`, vLLM's own on GPUs). Request i's states land in
@@ -42,6 +43,7 @@ def main(request: dict) -> dict:
         max_model_len=request.get("max_model_len", 512),
         enforce_eager=True,
         seed=0,
+        tensor_parallel_size=request.get("tensor_parallel_size", 1),
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
