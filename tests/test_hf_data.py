@@ -111,8 +111,34 @@ def test_rows_are_read_only_as_far_as_the_caps_need(tmp_path):
         conversations(cfg.data, cfg.seed)
 
 
+def test_a_hub_name_already_in_the_local_cache_loads_offline(tmp_path, monkeypatch):
+    """A hub data set that an earlier online `load_dataset("acme/chats")` left in the `datasets` cache, in the
+    layout the library writes (`<namespace>___<name>/<config>/<version>/<hash>/<name>-<split>.arrow` with its
+    dataset_info.json; here made by the library's own json builder, then named as the hub download would be):
+    data.path=acme/chats loads it, streamed, with no network."""
+    import shutil
+
+    import datasets
+
+    cache = tmp_path / "hf-datasets-cache"
+    files = write_jsonl(tmp_path / "chats.jsonl", [openai_row(i) for i in range(30)])
+    built = datasets.load_dataset("json", data_files=str(files), split="train", cache_dir=str(cache))
+    arrow = Path(built.cache_files[0]["filename"])
+    version_dir = arrow.parent  # json/default-<hash>/0.0.0/<hash>
+    hub = cache / "acme___chats" / "default"
+    shutil.move(str(version_dir.parent.parent), str(hub))
+    moved = hub / version_dir.parent.name / version_dir.name
+    (moved / arrow.name).rename(moved / "chats-train.arrow")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    cfg = hf(tmp_path, "data.path=acme/chats", "data.val_fraction=0.2")
+    train, val = conversations(cfg.data, cfg.seed)
+    assert sorted(map(json.dumps, train + val)) == sorted(json.dumps(chat(i)) for i in range(30)) and val
+
+
 def test_a_hub_name_not_in_the_local_cache_is_never_downloaded(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-home"))
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "empty-cache")
     cfg = hf(tmp_path, "data.path=acme/no-such-chats")
     with pytest.raises(DataFileError, match=r"data.path='acme/no-such-chats': .*not in the local `datasets` cache"):
         conversations(cfg.data, cfg.seed)
