@@ -143,10 +143,10 @@ CLEAN_LOAD = {
 def test_vllms_own_loader_takes_every_weight_of_the_llama_export_and_names_what_it_would_not(
     vllm_python, fast_cache, tiny_config, tmp_path, monkeypatch
 ):
-    """The FAST draft's vLLM copy, as the serve stage hands it to vLLM, through vLLM's model loader against the
-    tiny Llama target: every tensor loaded, every parameter set. The same export with a tensor left out and a tensor
-    vLLM does not take (a rotary `inv_freq`, which vLLM's loaders skip) is reported for both, so the serve stage
-    refuses it before any server starts."""
+    """The FAST draft's vLLM copy, as the serve stage hands it to vLLM, with a tensor left out and a tensor vLLM
+    does not take (a rotary `inv_freq`, which vLLM's loaders skip): vLLM's model loader, against the tiny Llama
+    target, reports both, so `check_draft=` and the serve stage refuse it before any server starts. (The clean
+    export loads whole: the serve stage checks it in the counters test.)"""
     from safetensors.torch import save_file
 
     monkeypatch.setenv("VLLM_PYTHON", vllm_python)
@@ -154,10 +154,7 @@ def test_vllms_own_loader_takes_every_weight_of_the_llama_export_and_names_what_
     cfg = tiny_config("cluster=local", "serve=vllm")
     plan = make_plan(cfg, tmp_path / "run")
     draft = served_draft_dir(cfg, plan)
-    assert draft.name == "draft_vllm"
-    report = vllm_engine.check_draft_loads(cfg, plan.target_dir, draft)
-    assert _loaded(report) == CLEAN_LOAD and report["problems"] == [], report
-    assert report["vllm_version"] == "0.32.0" and "model.layers.0.self_attn.qkv_proj.weight" in report["loaded"]
+    assert draft.name == "draft_vllm"  # the clean export's own check: the serve stage's, in the counters test
 
     broken = tmp_path / "broken"
     shutil.copytree(draft, broken)
