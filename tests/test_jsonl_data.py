@@ -95,11 +95,15 @@ def test_stdlib_chat_is_unchanged(tiny_config):
     [
         ('{"messages": [', "invalid JSON"),
         ('["user", "hi"]', "a JSON list; expected an object"),
-        ('{"text": "hi"}', "keys ['text']: expected exactly one of 'messages' (OpenAI) or 'conversations' (ShareGPT)"),
+        (
+            '{"text": "hi"}',
+            "keys ['text']: expected exactly one of 'messages' (OpenAI), 'conversations' (ShareGPT) or 'data' "
+            "(UltraChat)",
+        ),
         ('{"messages": []}', "expected 'messages', a non-empty list of turns"),
         (
-            '{"messages": [{"role": "tool", "content": "x"}]}',
-            "messages[0].role='tool': expected one of ['assistant', 'system', 'user']",
+            '{"messages": [{"role": "narrator", "content": "x"}]}',
+            "messages[0].role='narrator': expected one of ['assistant', 'system', 'tool', 'user']",
         ),
         ('{"conversations": [{"from": "bot", "value": "x"}]}', "conversations[0].from='bot': expected one of"),
         (
@@ -163,7 +167,7 @@ def test_too_few_conversations_to_split(tmp_path, jsonl_config):
         ),
         (
             ["data.train_files=['{sample}']", "data.format=alpaca"],
-            "data.format='alpaca': expected one of ('auto', 'openai', 'sharegpt')",
+            "data.format='alpaca': expected one of ('auto', 'openai', 'sharegpt', 'ultrachat')",
         ),
         (["data=stdlib_chat", "data.train_files=['{sample}']"], "data=stdlib_chat reads no files; add `data=jsonl`"),
     ],
