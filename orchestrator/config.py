@@ -628,7 +628,7 @@ EXTRACT_ENGINES = ("hf", "vllm")
 def check_extract_engine(cfg: RootConfig) -> None:
     """extract.engine=vllm before any job: its environment, ids vLLM can capture for the layers and the teacher
     (the last layer's output, id N), and no regeneration that needs the target in this project's environment."""
-    e, t = cfg.extract, cfg.target
+    e = cfg.extract
     if e.engine not in EXTRACT_ENGINES:
         raise ConfigError(f"extract.engine={e.engine!r}: expected one of {EXTRACT_ENGINES}")
     if e.engine == "hf":
@@ -645,15 +645,18 @@ def check_extract_engine(cfg: RootConfig) -> None:
             "this project's environment, which a vLLM extraction never loads; set data.regenerate.engine=server"
         )
     try:
-        layer_contract.to_engine_ids(
-            "vllm",
-            [*captured_layers(cfg), t.num_hidden_layers - 1],
-            t.num_hidden_layers,
-            t.family,
-            cfg.serve.vllm_version,
-        )
+        vllm_capture_ids(cfg, captured_layers(cfg))
     except layer_contract.LayerContractError as exc:
         raise ConfigError(f"extract.engine=vllm: {exc}") from None
+
+
+def vllm_capture_ids(cfg: RootConfig, layers) -> list[int]:
+    """The vLLM ids an extract.engine=vllm extraction captures: `layers`, then the last layer's output (id N, the
+    teacher's source), in vLLM's rule for the target's family."""
+    t = cfg.target
+    return layer_contract.to_engine_ids(
+        "vllm", [*layers, t.num_hidden_layers - 1], t.num_hidden_layers, t.family, cfg.serve.vllm_version
+    )
 
 
 def check_regenerate(cfg: RootConfig) -> None:

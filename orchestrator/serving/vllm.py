@@ -116,6 +116,17 @@ DROPPED_BY_DESIGN = {"t2d": "the target-to-draft vocabulary map, which vLLM does
 CAPTURE = Path(__file__).with_name("vllm_side") / "capture.py"
 
 
+def _run_vllm_side(argv: list[str], env: dict[str, str], timeout: float, failure: str) -> dict:
+    """A vllm_side script in vLLM's environment, its engine in the script's own process: the JSON line it prints
+    last. Raises RuntimeError starting with `failure`, with the exit status and the output's tail."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{failure} (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return json.loads(lines[-1])
+
+
 def capture_states(
     python: str, target_path: Path | str, ids: list[int], prompts: list[list[int]], out: Path, *,
     include_output_tokens: bool = False, max_tokens: int = 1, max_model_len: int = 512, dtype: str = "float32",
@@ -134,14 +145,8 @@ def capture_states(
         "tensor_parallel_size": tensor_parallel_size,
     }  # fmt: skip
     (out / "request.json").write_text(json.dumps(request))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB}
-    proc = subprocess.run(
-        [python, str(CAPTURE), str(out / "request.json")], capture_output=True, text=True, env=env, timeout=timeout
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM's capture failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return json.loads(lines[-1])
+    env = {"VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB}
+    return _run_vllm_side([python, str(CAPTURE), str(out / "request.json")], env, timeout, "vLLM's capture failed")
 
 
 def check_draft_loads(cfg: RootConfig, target_path: Path | str, draft_dir: Path | str, timeout: float = 600) -> dict:
@@ -150,13 +155,7 @@ def check_draft_loads(cfg: RootConfig, target_path: Path | str, draft_dir: Path 
     drops (but those in DROPPED_BY_DESIGN), each parameter left unloaded, each tensor whose load raised. A dropped
     tensor is served as nothing and a missing parameter as whatever memory held, both silently."""
     argv = [cfg.serve.python, str(LOAD_CHECK), str(target_path), str(draft_dir), str(cfg.serve.num_steps)]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **server_env(cfg)}
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stdout + proc.stderr)[-3000:]
-        raise RuntimeError(f"vLLM's loader could not build the draft {draft_dir} (exit {proc.returncode}):\n{tail}")
-    report = json.loads(lines[-1])
+    report = _run_vllm_side(argv, server_env(cfg), timeout, f"vLLM's loader could not build the draft {draft_dir}")
     problems = [f"{name}: vLLM reads it and drops it" for name in report["unused"] if name not in DROPPED_BY_DESIGN]
     problems += [f"{name}: no checkpoint tensor loads it" for name in report["missing"]]
     problems += [f"{name}: {error}" for name, error in report["refused"].items()]

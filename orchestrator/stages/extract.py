@@ -30,7 +30,7 @@ from orchestrator import layers as layer_contract
 from orchestrator.artifacts import ArtifactError, atomic_path, file_sha256, read_json, write_json, write_manifest
 from orchestrator.capture import HiddenStateCapture
 from orchestrator.compute import Compute
-from orchestrator.config import RootConfig, captured_layers
+from orchestrator.config import RootConfig, captured_layers, vllm_capture_ids
 from orchestrator.data import Rendered, conversations, data_identity
 from orchestrator.regenerate import Endpoint, regenerate, sequences
 from orchestrator.targets import ensure_target, identity, load_target, load_tokenizer, template_source
@@ -185,9 +185,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             | (
                 {
                     "vllm_version": cfg.serve.vllm_version,
-                    "ids": layer_contract.to_engine_ids(
-                        "vllm", [*layers, n - 1], n, cfg.target.family, cfg.serve.vllm_version
-                    ),
+                    "ids": vllm_capture_ids(cfg, layers),
                 }
                 if cfg.extract.engine == "vllm"
                 else {}
@@ -386,10 +384,7 @@ def _vllm_capture(tokenizer, shards, todo, layers, out: Path, cfg: RootConfig, c
     from orchestrator.serving import vllm as vllm_engine
     from orchestrator.targets import load_head_tensors, target_config_json
 
-    t = cfg.target
-    n = t.num_hidden_layers
-    wanted = [*layers, n - 1]  # the last layer's output for the teacher
-    ids = layer_contract.to_engine_ids("vllm", wanted, n, t.family, cfg.serve.vllm_version)
+    ids = vllm_capture_ids(cfg, layers)  # the layers, then the last layer's output for the teacher
     rendered = {(split, index): _sequences(None, tokenizer, shards[split][index], split, index, out, cfg)
                 for split, index in todo}  # fmt: skip
     prompts = [r.input_ids for key in rendered for r in rendered[key]]
@@ -412,7 +407,7 @@ def _vllm_capture(tokenizer, shards, todo, layers, out: Path, cfg: RootConfig, c
             captured = load_file(next(files))
             if captured["token_ids"].tolist() != list(r.input_ids):
                 raise ArtifactError(f"vLLM's capture of a {key[0]} sequence holds other tokens than were sent")
-            hs = captured["hidden_states"].float()  # [T, K+1, H], in the order of `wanted`
+            hs = captured["hidden_states"].float()  # [T, K+1, H], in the order of `ids`
             last = hs[:, -1]
             if cfg.extract.teacher == "post_norm":
                 last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + eps) * norm
