@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slurm
 
@@ -394,3 +396,48 @@ def test_a_rank_that_hangs_ends_the_slurm_job_within_the_collective_timeout(slur
     assert "stage train" in output and "rank 0 failed first" in output, output[-4000:]
     assert "timed out" in output.lower() or "timeout" in output.lower(), output[-4000:]
     assert time.monotonic() - started < 600, "the job ran on past its collective timeout"
+
+
+def test_a_task_killed_mid_extraction_ends_the_job_and_the_rerun_matches_an_uninterrupted_one(
+    slurm_outputs, fast_cache, monkeypatch
+):
+    """kill -9 of one Slurm task of a two-task extraction (rank 0, which has three of the four shards), as it
+    starts its second shard: no exception and no failure record, as with the OOM killer or a lost node. srun ends
+    the other task (--kill-on-bad-exit) at once, so the job fails in seconds, not at the heartbeat's timeout, and
+    the run fails with srun's word for it. The same command again extracts only what is missing, and every shard
+    equals the uninterrupted local extraction's, bit for bit."""
+    faults = Path(__file__).resolve().parents[1] / "faults"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(faults), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    faulty = {"FAULT_TARGET": "orchestrator.stages.extract:_extract_chunk", "FAULT_RANK": "0", "FAULT_CALL": "2"}
+    for key, value in {**faulty, "FAULT_KIND": "kill"}.items():
+        monkeypatch.setenv(key, value)
+    args = (
+        "+experiment=tiny_eagle3", *SLURM_FAST, "stages=[extract]", "extract.resources.tasks_per_node=2",
+        "extract.collective_timeout_min=10", "cluster.wait=true",
+    )  # fmt: skip
+    started = time.monotonic()
+    proc = cli(slurm_outputs, *args, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert "stage extract" in output and "task 0: Killed" in output, output[-4000:]
+    assert time.monotonic() - started < 300, "the job waited for the killed task's heartbeat instead of ending"
+    folder = next((slurm_outputs / "cache" / "extract").iterdir())
+    kept = sorted(folder.glob("*/shard_*.safetensors"))
+    assert kept and not (folder / "manifest.json").exists(), kept  # some shards done, the extraction not whole
+
+    for key in faulty:
+        monkeypatch.delenv(key)
+    proc = cli(slurm_outputs, *args, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(max(slurm_outputs.rglob("summary.json"), key=lambda p: p.stat().st_mtime).read_text())
+    extract = summary["stages"]["extract"]
+    assert 0 < extract["tokens_extracted_now"] < extract["tokens"], extract  # only what was missing
+    reference = next((fast_cache("extract") / "cache" / "extract").iterdir())
+    assert reference.name == folder.name  # one key: resources and engine placement do not key an extraction
+    shards = sorted(p.relative_to(reference) for p in reference.glob("*/shard_*.safetensors"))
+    assert shards == sorted(p.relative_to(folder) for p in folder.glob("*/shard_*.safetensors"))
+    for name in shards:
+        resumed, uninterrupted = load_file(str(folder / name)), load_file(str(reference / name))
+        assert resumed.keys() == uninterrupted.keys()
+        for key, tensor in resumed.items():
+            assert torch.equal(tensor, uninterrupted[key]), f"{name}: {key} differs from the uninterrupted run"
