@@ -100,3 +100,35 @@ def test_a_shard_below_the_loss_fraction_fails_extraction_naming_the_key(outputs
     with pytest.raises(runner.StageFailed, match=r"train shard 0: .* below data\.min_loss_fraction=0\.99"):
         run_pipeline(cfg, tmp_path / "run")
     assert not list(make_plan(cfg, tmp_path / "run").dir("extract").glob("*/shard_*.safetensors"))
+
+
+def test_extraction_runs_the_decoder_stack_without_the_vocabulary_head(tiny_config):
+    """A shard's states come from the decoder stack alone: the head, whose logits ([batch, length, vocab]; 163,840
+    wide at Kimi's vocabulary) extraction would throw away, is never run. The states equal the whole model's
+    hidden states at those layers (hidden_states[k + 1] is layer k's output) and after the final norm."""
+    from orchestrator.compute import cpu
+    from orchestrator.data import render
+    from orchestrator.stages.extract import _extract_chunk
+
+    cfg = tiny_config("extract.batch_size=2", "extract.dtype=float32")
+    model, tokenizer = load_target(ensure_target(cfg, progress=False))
+    _, val = conversations(cfg.data, cfg.seed)
+    chunk = [render(tokenizer, c, cfg.data.max_seq_len) for c in val[:3]]
+    head_calls = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))
+    try:
+        with torch.no_grad():
+            shard = _extract_chunk(model, tokenizer, chunk, [1, 4, 6], cfg, cpu())  # layers 1, 4, 6's outputs
+    finally:
+        hook.remove()
+    assert head_calls == [], "extraction ran the vocabulary head"
+    offset = 0
+    for r in chunk:
+        with torch.no_grad():
+            hidden = model(input_ids=torch.tensor([r.input_ids]), output_hidden_states=True).hidden_states
+        n = len(r.input_ids)
+        expected = torch.cat([hidden[2], hidden[5], hidden[7]], dim=-1)[0]
+        assert torch.allclose(shard["aux_hidden_states"][offset : offset + n], expected, atol=1e-5)
+        assert torch.allclose(shard["teacher_hidden_state"][offset : offset + n], hidden[-1][0], atol=1e-5)
+        offset += n
+    assert offset == len(shard["input_ids"])

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import ArtifactError, atomic_path, file_sha256, read_json, write_json, write_manifest
-from orchestrator.capture import HiddenStateCapture
+from orchestrator.capture import HiddenStateCapture, base_model
 from orchestrator.compute import Compute
 from orchestrator.config import RootConfig, captured_layers, vllm_capture_ids
 from orchestrator.data import Rendered, conversations, data_identity
@@ -434,6 +434,7 @@ def _extract_chunk(
     dtype = DTYPES[cfg.extract.dtype]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids_out, mask_out, aux_out, teacher_out, lens = [], [], [], [], []
+    decoder = base_model(model)
     with HiddenStateCapture(model, layers, cfg.extract.teacher) as capture:
         for i in range(0, len(chunk), cfg.extract.batch_size):
             batch = chunk[i : i + cfg.extract.batch_size]
@@ -443,7 +444,9 @@ def _extract_chunk(
             for row, r in enumerate(batch):
                 ids[row, : len(r.input_ids)] = torch.tensor(r.input_ids)
                 attn[row, : len(r.input_ids)] = 1
-            model(input_ids=ids.to(compute.device), attention_mask=attn.to(compute.device), use_cache=False)
+            # The decoder stack alone: the head's logits, [batch, length, vocab] (163,840 wide at Kimi's
+            # vocabulary), are not stored, so they are not computed; the teacher's are, from its state, in training.
+            decoder(input_ids=ids.to(compute.device), attention_mask=attn.to(compute.device), use_cache=False)
             aux, teacher = capture.aux().cpu(), capture.teacher().cpu()
             for row, r in enumerate(batch):
                 length = len(r.input_ids)
