@@ -30,7 +30,7 @@ DATA_SETS = ("stdlib_chat", "jsonl", "hf")
 DATA_FORMATS = ("auto", "openai", "sharegpt", "ultrachat")
 # data=hf's own keys (conf/data/hf.yaml); the other data sets leave them at their defaults
 HF_KEYS = {"path": None, "subset": None, "data_files": None, "revision": None, "val_split": None, "column": None}
-REGENERATE_ENGINES = ("hf", "server")
+REGENERATE_ENGINES = ("hf", "server", "one_pass")
 REGENERATE_APIS = ("generate", "completions")
 
 
@@ -88,7 +88,9 @@ class RegenerateConfig:
     regeneration), so the draft learns the text the target produces when served, not the data set's."""
 
     enabled: bool = MISSING
-    # hf: HF `generate` in the extract job; server: a serving endpoint (orchestrator/regenerate.py).
+    # hf: HF `generate` in the extract job; server: a serving endpoint (orchestrator/regenerate.py); one_pass:
+    # with extract.engine=vllm, vLLM generates the response and captures the states of prompt plus response in
+    # the same request (orchestrator/stages/extract.py, `_vllm_capture`).
     engine: str = MISSING
     max_new_tokens: int = MISSING
     # 0: greedy, what the serve stage benchmarks; > 0 samples (seeded).
@@ -642,7 +644,8 @@ def check_extract_engine(cfg: RootConfig) -> None:
     if r.enabled and r.engine == "hf":
         raise ConfigError(
             "data.regenerate.engine=hf with extract.engine=vllm: the HF engine regenerates with the target loaded in "
-            "this project's environment, which a vLLM extraction never loads; set data.regenerate.engine=server"
+            "this project's environment, which a vLLM extraction never loads; set data.regenerate.engine=one_pass "
+            "(vLLM answers and captures in one request) or server"
         )
     try:
         vllm_capture_ids(cfg, captured_layers(cfg))
@@ -667,8 +670,21 @@ def check_regenerate(cfg: RootConfig) -> None:
     if r.engine not in REGENERATE_ENGINES:
         raise ConfigError(
             f"data.regenerate.engine={r.engine!r}: expected one of {REGENERATE_ENGINES} "
-            "(hf: in process, server: an endpoint)"
+            "(hf: in process, server: an endpoint, one_pass: vLLM's extractor generates and captures at once)"
         )
+    if r.enabled and r.engine == "one_pass":
+        if cfg.extract.engine != "vllm":
+            raise ConfigError(
+                f"data.regenerate.engine=one_pass with extract.engine={cfg.extract.engine}: the response is "
+                "generated and its states captured in one vLLM request; set extract.engine=vllm, or regenerate "
+                "with data.regenerate.engine=hf or server"
+            )
+        if r.temperature != 0:
+            raise ConfigError(
+                f"data.regenerate.temperature={r.temperature} with data.regenerate.engine=one_pass: the one-pass "
+                "capture decodes greedily, as the serve stage benchmarks; set data.regenerate.temperature=0, or "
+                "sample with data.regenerate.engine=server"
+            )
     if r.api not in REGENERATE_APIS:
         raise ConfigError(
             f"data.regenerate.api={r.api!r}: expected one of {REGENERATE_APIS} "

@@ -8,6 +8,8 @@ target writes when served. Extraction takes its training sequences from here.
                   server  a serving endpoint, `concurrency` requests in flight: SGLang's /generate or an
                           OpenAI-compatible /v1/completions (data.regenerate.api), at data.regenerate.url or on a
                           server started with the serve stage's launcher (`Endpoint`)
+                  one_pass  vLLM's extractor (extract.engine=vllm) answers and captures in one request; the
+                          extract stage does it (`one_pass_rendered` cuts its sequences)
 
 Either way a sequence is prompt ids + the generated ids as the engine returns them (never re-tokenised text), cut
 after the first end token and at data.max_seq_len; the loss mask covers the generated ids.
@@ -77,6 +79,10 @@ def regenerate(
     r = cfg.data.regenerate
     max_len = cfg.data.max_seq_len
     prompts = [prompt_ids(tokenizer, c, max(1, max_len - 1)) for c in conversations]
+    if r.engine == "one_pass":
+        raise RegenerateError(
+            "data.regenerate.engine=one_pass regenerates inside vLLM's capture (extract.engine=vllm), not here"
+        )
     if r.engine == "hf":
         if model is None:
             raise RegenerateError(
@@ -87,6 +93,18 @@ def regenerate(
         return server_responses(endpoint, prompts, tokenizer.eos_token_id, max_len, r, seed, desc)
     with Endpoint(cfg, log_dir) as own:
         return server_responses(own, prompts, tokenizer.eos_token_id, max_len, r, seed, desc)
+
+
+def one_pass_rendered(prompt: list[int], generated: list[int], max_new_tokens: int, eos, max_len: int) -> Rendered:
+    """The sequence of a one-pass capture (data.regenerate.engine=one_pass): the prompt and the response as a
+    separate regeneration cuts it (`max_new_tokens`, the end token, data.max_seq_len), from `generated`, which
+    runs one token past the budget. The engine captures the states of the prompt and of every generated token
+    but the last (never an input), so a response that ends the generation, at its end token, loses that token:
+    the teacher's distribution at the token before it, which predicts the end, is kept."""
+    seq = _rendered(prompt, generated[:max_new_tokens], eos, max_len)
+    if len(seq.input_ids) > len(prompt) + len(generated) - 1:
+        return Rendered(seq.input_ids[:-1], seq.loss_mask[:-1])
+    return seq
 
 
 def _rendered(prompt: list[int], response: list[int], eos: int | None, max_len: int) -> Rendered:

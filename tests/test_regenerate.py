@@ -158,7 +158,10 @@ def test_completions_api_against_a_server_without_it_names_the_key(tiny, tmp_pat
             ["data.regenerate.engine=hf", "data.regenerate.url=http://127.0.0.1:30000"],
             "is an endpoint for data.regenerate.engine=server",
         ),
-        (["data.regenerate.engine=vllm"], "data.regenerate.engine='vllm': expected one of ('hf', 'server')"),
+        (
+            ["data.regenerate.engine=vllm"],
+            "data.regenerate.engine='vllm': expected one of ('hf', 'server', 'one_pass')",
+        ),
         (["data.regenerate.api=chat"], "data.regenerate.api='chat'"),
         (["data.regenerate.concurrency=0"], "data.regenerate.concurrency=0"),
         (["data.regenerate.temperature=0.7"], "the reference engine decodes greedily only"),
@@ -223,3 +226,19 @@ def test_extraction_with_the_server_engine(tiny_config, tmp_path, monkeypatch):
 def compose_server(cfg, *overrides):
     """The shared tiny config (the outputs folder of `cfg`) with engine=server on the reference engine."""
     return compose_config(cfg.outputs, "data.regenerate.engine=server", *SHORT, *overrides)
+
+
+def test_a_one_pass_sequence_is_the_separate_regenerations_but_a_final_token_without_a_state():
+    """One pass captures the prompt and every generated token but the last (never an input); generation runs one
+    token past data.regenerate.max_new_tokens, so only a response that ends at its end token loses that token."""
+    from orchestrator.regenerate import _rendered, one_pass_rendered
+
+    prompt, eos = [1, 2, 3], 9
+    cut = one_pass_rendered(prompt, [4, 5, 6, 7], 3, eos, 100)  # cut at the budget: every token has a state
+    assert (cut.input_ids, cut.loss_mask) == ([1, 2, 3, 4, 5, 6], [0, 0, 0, 1, 1, 1])
+    assert cut == _rendered(prompt, [4, 5, 6], eos, 100)
+    ended = one_pass_rendered(prompt, [4, 5, eos], 3, eos, 100)  # the engine stops at the end token
+    assert (ended.input_ids, ended.loss_mask) == ([1, 2, 3, 4, 5], [0, 0, 0, 1, 1])
+    assert ended.input_ids == _rendered(prompt, [4, 5, eos], eos, 100).input_ids[:-1]
+    short = one_pass_rendered(prompt, [4, 5, 6, 7], 3, eos, 5)  # data.max_seq_len cuts first
+    assert (short.input_ids, short.loss_mask) == ([1, 2, 3, 4, 5], [0, 0, 0, 1, 1])

@@ -23,7 +23,7 @@ from orchestrator.pipeline import make_plan, run_pipeline
 from orchestrator.serving import sglang as sglang_engine
 from orchestrator.serving import vllm as vllm_engine
 from orchestrator.stages.serve import served_draft_dir
-from orchestrator.targets import target_config_json
+from orchestrator.targets import ensure_target, load_tokenizer, target_config_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -275,7 +275,9 @@ def test_an_extraction_by_vllm_equals_the_hf_extraction(vllm_python, fast_cache,
         folders[engine] = make_plan(cfg, tmp_path / engine).dir("extract")
     assert folders["hf"] != folders["vllm"]
     manifest = read_json(folders["vllm"] / "manifest.json", "manifest")
-    assert manifest["capture_engine"] == {"name": "vllm", "vllm_version": "0.32.0", "ids": [2, 5, 7, 8]}
+    assert manifest["capture_engine"] == {
+        "name": "vllm", "vllm_version": "0.32.0", "ids": [2, 5, 7, 8], "mode": "capture"
+    }  # fmt: skip
     assert read_json(folders["hf"] / "manifest.json", "manifest")["capture_engine"] == {"name": "hf"}
     shards = sorted(p.relative_to(folders["hf"]) for p in folders["hf"].glob("*/shard_*.safetensors"))
     assert len(shards) >= 4 and shards == sorted(
@@ -292,6 +294,49 @@ def test_an_extraction_by_vllm_equals_the_hf_extraction(vllm_python, fast_cache,
     assert worst < 1e-4, worst
 
 
+@pytest.mark.vllm
+def test_a_one_pass_extraction_holds_the_separate_regenerations_tokens(vllm_python, fast_cache, tiny_config, tmp_path,
+                                                                       monkeypatch):  # fmt: skip
+    """data.regenerate.engine=one_pass: vLLM answers each prompt and captures prompt plus answer in one request.
+    At temperature 0 its sequences are the FAST extraction's (HF regenerates, then HF captures), token for token
+    and mask for mask, but that a response which ends at its end token stops before it (the one token no pass
+    feeds as an input). The states agree within bfloat16 rounding. The manifest records the mode."""
+    monkeypatch.setenv("VLLM_PYTHON", vllm_python)
+    separate = fast_cache("extract")
+    outputs = copy_cache(separate, tmp_path / "outputs", ("targets",))
+    cfg = tiny_config("cluster=local", f"outputs_dir={outputs}", "stages=[extract]", "extract.engine=vllm",
+                      "data.regenerate.engine=one_pass")  # fmt: skip
+    run_pipeline(cfg, tmp_path / "one_pass")
+    folder = make_plan(cfg, tmp_path / "one_pass").dir("extract")
+    reference_cfg = tiny_config("stages=[extract]")
+    reference = make_plan(reference_cfg, tmp_path / "r").dir("extract")
+    assert reference.parent.parent.parent == separate and reference.is_dir() and reference != folder
+    manifest = read_json(folder / "manifest.json", "manifest")
+    assert manifest["capture_engine"]["mode"] == "one_pass", manifest["capture_engine"]
+    eos = load_tokenizer(ensure_target(reference_cfg, progress=False)).eos_token_id
+    shards = sorted(p.relative_to(reference) for p in reference.glob("*/shard_*.safetensors"))
+    assert len(shards) >= 4 and shards == sorted(p.relative_to(folder) for p in folder.glob("*/shard_*.safetensors"))
+    sequences = ended = 0
+    worst = 0.0
+    for shard in shards:
+        one, two = load_file(str(folder / shard)), load_file(str(reference / shard))
+        starts = [0, *torch.cumsum(one["seq_lens"].long(), 0).tolist()]
+        theirs = [0, *torch.cumsum(two["seq_lens"].long(), 0).tolist()]
+        for a, b, c, d in zip(starts, starts[1:], theirs, theirs[1:]):
+            sequences += 1
+            mine, expected = one["input_ids"][a:b], two["input_ids"][c:d]
+            if d - c == b - a + 1:  # the response ended at its end token: one pass has no state for it
+                assert int(expected[-1]) == eos, (shard, expected[-8:])
+                expected, d, ended = expected[:-1], d - 1, ended + 1
+            assert torch.equal(mine, expected), (shard, mine.tolist(), expected.tolist())
+            assert torch.equal(one["loss_mask"][a:b], two["loss_mask"][c:d]), shard
+            for key in ("aux_hidden_states", "teacher_hidden_state"):
+                x, y = one[key][a:b].float(), two[key][c:d].float()
+                worst = max(worst, float((x - y).abs().max() / y.abs().max()))
+    print(f"{sequences} sequences, {ended} ended at the end token; states differ by {worst:.2e} at most")
+    assert sequences >= 100 and worst < 2e-2, worst
+
+
 def test_a_vllm_extraction_is_checked_before_any_job(tmp_path):
     """Its environment must exist, and a regeneration by the HF engine (which loads the target in this project's
     environment, which a vLLM extraction never does) is refused, naming the key to set."""
@@ -301,8 +346,14 @@ def test_a_vllm_extraction_is_checked_before_any_job(tmp_path):
 
     with pytest.raises(ConfigError, match=r"extract.python='/nonexistent/python': extract.engine=vllm runs vLLM"):
         compose_config(tmp_path, "extract.engine=vllm", "extract.python=/nonexistent/python")
-    with pytest.raises(ConfigError, match=r"set data.regenerate.engine=server"):
+    with pytest.raises(ConfigError, match=r"set data.regenerate.engine=one_pass \(vLLM answers and captures"):
         compose_config(tmp_path, "extract.engine=vllm", f"extract.python={sys.executable}")
+    with pytest.raises(ConfigError, match=r"data.regenerate.engine=one_pass with extract.engine=hf: .*extract.engine"):
+        compose_config(tmp_path, "data.regenerate.engine=one_pass")
+    one_pass = ("extract.engine=vllm", f"extract.python={sys.executable}", "data.regenerate.engine=one_pass")
+    with pytest.raises(ConfigError, match=r"data.regenerate.temperature=0.7 with data.regenerate.engine=one_pass"):
+        compose_config(tmp_path, *one_pass, "data.regenerate.temperature=0.7")
+    assert compose_config(tmp_path, *one_pass).data.regenerate.engine == "one_pass"
     cfg = compose_config(tmp_path, "extract.engine=vllm", f"extract.python={sys.executable}",
                          "data.regenerate.enabled=false")  # fmt: skip
     assert cfg.extract.engine == "vllm"

@@ -31,8 +31,8 @@ from orchestrator.artifacts import ArtifactError, atomic_path, file_sha256, read
 from orchestrator.capture import HiddenStateCapture, base_model
 from orchestrator.compute import Compute
 from orchestrator.config import RootConfig, captured_layers, vllm_capture_ids
-from orchestrator.data import Rendered, conversations, data_identity
-from orchestrator.regenerate import Endpoint, regenerate, sequences
+from orchestrator.data import Rendered, conversations, data_identity, prompt_ids
+from orchestrator.regenerate import Endpoint, one_pass_rendered, regenerate, sequences
 from orchestrator.targets import ensure_target, identity, load_target, load_tokenizer, template_source
 
 # The train stage's record that the shards' checksums were verified (see `stages.train.verify_shards`).
@@ -186,6 +186,10 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
                 {
                     "vllm_version": cfg.serve.vllm_version,
                     "ids": vllm_capture_ids(cfg, layers),
+                    # one_pass: each response generated and its states captured in the same request
+                    "mode": "one_pass"
+                    if cfg.data.regenerate.enabled and cfg.data.regenerate.engine == "one_pass"
+                    else "capture",
                 }
                 if cfg.extract.engine == "vllm"
                 else {}
@@ -362,6 +366,12 @@ def _sequences(
         endpoint=endpoint,
         desc=f"regenerate {split} shard {index}",
     )
+    _keep_regenerated(path, rendered)
+    return rendered
+
+
+def _keep_regenerated(path: Path, rendered: list[Rendered]) -> None:
+    """A shard's regenerated sequences, as `_sequences` reads them back."""
     tensors = {
         "input_ids": torch.tensor([t for r in rendered for t in r.input_ids], dtype=torch.int32),
         "seq_lens": torch.tensor([len(r.input_ids) for r in rendered], dtype=torch.int32),
@@ -369,7 +379,6 @@ def _sequences(
     }
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp))
-    return rendered
 
 
 @torch.no_grad()
@@ -377,7 +386,11 @@ def _vllm_capture(tokenizer, shards, todo, layers, out: Path, cfg: RootConfig, c
     """Every sequence of this rank's `todo` shards through vLLM's extractor in one engine run: the aux layers and
     the last layer's output (id N, before the final norm: the teacher's source), at the ids of vLLM's rule. Returns
     per shard, per sequence, {"aux": [T, K*H], "teacher": [T, H]} in float32, the teacher as `extract.teacher`
-    asks (post_norm: the target's final RMSNorm applied here, as HF's model applies it)."""
+    asks (post_norm: the target's final RMSNorm applied here, as HF's model applies it).
+
+    With data.regenerate.engine=one_pass, each request is the prompt alone: vLLM answers it greedily, then
+    captures the states of prompt plus answer in the same request (`include_output_tokens`). The sequences are
+    kept as a regeneration's are (`<split>/regenerated_NNNNN.safetensors`), so the shard loop reads them back."""
     import shutil
 
     from orchestrator.compute import resolve_precision
@@ -385,29 +398,48 @@ def _vllm_capture(tokenizer, shards, todo, layers, out: Path, cfg: RootConfig, c
     from orchestrator.targets import load_head_tensors, target_config_json
 
     ids = vllm_capture_ids(cfg, layers)  # the layers, then the last layer's output for the teacher
-    rendered = {(split, index): _sequences(None, tokenizer, shards[split][index], split, index, out, cfg)
-                for split, index in todo}  # fmt: skip
-    prompts = [r.input_ids for key in rendered for r in rendered[key]]
+    r = cfg.data.regenerate
+    one_pass = r.enabled and r.engine == "one_pass"
+    max_len = cfg.data.max_seq_len
+    if one_pass:  # the prompts only: vLLM answers each, then captures prompt plus answer, in the same request
+        prompts = [prompt_ids(tokenizer, c, max(1, max_len - 1)) for split, i in todo for c in shards[split][i]]
+    else:
+        rendered = {(split, index): _sequences(None, tokenizer, shards[split][index], split, index, out, cfg)
+                    for split, index in todo}  # fmt: skip
+        prompts = [seq.input_ids for key in rendered for seq in rendered[key]]
     work = out / "vllm_states" / f"rank{compute.rank}"
     if work.exists():
         shutil.rmtree(work)
     gpus = sum(d.type == "cuda" for d in compute.devices)
     report = vllm_engine.capture_states(
-        cfg.extract.python, target_path, ids, prompts, work, max_model_len=cfg.data.max_seq_len + 8,
+        cfg.extract.python, target_path, ids, prompts, work, max_model_len=max_len + 8,
         dtype=resolve_precision(cfg.extract.precision, gpus), tensor_parallel_size=max(1, gpus),
+        # one token past the budget, so that a response cut at max_new_tokens has a state for every token
+        include_output_tokens=one_pass, max_tokens=r.max_new_tokens + 1 if one_pass else 1,
     )  # fmt: skip
-    print(f"[extract] vLLM {report['vllm_version']} captured ids {ids} for {len(prompts)} sequences")
+    mode = "generated and captured in one pass" if one_pass else "captured"
+    print(f"[extract] vLLM {report['vllm_version']} {mode}: ids {ids} for {len(prompts)} sequences")
+    if one_pass:
+        answers = iter(zip(prompts, report["generated"]))
+        rendered = {}
+        for split, index in todo:
+            rendered[split, index] = [
+                one_pass_rendered(*next(answers), r.max_new_tokens, tokenizer.eos_token_id, max_len)
+                for _ in shards[split][index]
+            ]
+            _keep_regenerated(out / split / f"regenerated_{index:05d}.safetensors", rendered[split, index])
     norm = load_head_tensors(target_path)["norm"]
     eps = target_config_json(target_path).get("rms_norm_eps", 1e-6)
     files = iter(report["files"])
     states: dict[tuple[str, int], list[dict[str, torch.Tensor]]] = {}
     for key, seqs in rendered.items():
         states[key] = []
-        for r in seqs:
+        for seq in seqs:
             captured = load_file(next(files))
-            if captured["token_ids"].tolist() != list(r.input_ids):
+            length = len(seq.input_ids)  # one-pass: the capture may hold tokens past the response's cut
+            if captured["token_ids"][:length].tolist() != list(seq.input_ids) or len(captured["token_ids"]) < length:
                 raise ArtifactError(f"vLLM's capture of a {key[0]} sequence holds other tokens than were sent")
-            hs = captured["hidden_states"].float()  # [T, K+1, H], in the order of `ids`
+            hs = captured["hidden_states"][:length].float()  # [T, K+1, H], in the order of `ids`
             last = hs[:, -1]
             if cfg.extract.teacher == "post_norm":
                 last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + eps) * norm
