@@ -179,6 +179,8 @@ class ExtractConfig:
     # `extract_hidden_states`, in its environment `python`: orchestrator/serving/vllm_side/capture.py).
     engine: str = "hf"
     python: Optional[str] = None
+    # extract.engine=vllm: more engine flags, as `vllm serve` takes them (checked by vLLM's own parser)
+    vllm_args: list[str] = MISSING
 
 
 @dataclass

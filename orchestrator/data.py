@@ -12,7 +12,20 @@ from pathlib import Path
 
 from orchestrator.config import DataConfig
 
-Conversation = list[dict[str, str]]
+
+class Conversation(list):
+    """A conversation: its chat messages (OpenAI-style dicts), and the tools its record defines (`tools`: the
+    function schemas a tool-calling data set keeps beside the turns, None when it has none), which the chat
+    template renders too (`apply_chat_template(tools=...)`, in the system prompt for most templates)."""
+
+    def __init__(self, messages=(), tools: list | None = None):
+        super().__init__(messages)
+        self.tools = tools
+
+
+def tools_of(conversation: list[dict]) -> list | None:
+    return getattr(conversation, "tools", None)
+
 
 # Per format: the conversation's key, each turn's speaker and text keys, and the speaker names it uses. ShareGPT's
 # tool turns (LLaMA-Factory's names): `function_call` is the assistant calling a tool (its value the call's JSON,
@@ -261,7 +274,22 @@ def parse_record(record, fmt: str, where: str, column: str | None = None) -> Con
         raise fail("no assistant turn: nothing to train on (the loss covers assistant tokens only)")
     if not any(m["role"] == "user" for m in conversation[:first_answer]):
         raise fail(f"{turns_key}[{first_answer}] answers before any user turn; the prompt would be empty")
-    return conversation
+    return Conversation(conversation, _tools(record.get("tools"), fail))
+
+
+def _tools(tools, fail) -> list | None:
+    """A record's tool definitions: a list of objects (OpenAI's {"type": "function", "function": {...}}, or the
+    function schemas alone), or that list as a JSON string (LLaMA-Factory's ShareGPT layout)."""
+    if tools is None or tools == "" or tools == []:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as exc:
+            raise fail(f"tools: a string that is not JSON ({exc}); expected a list of tool definitions") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise fail(f"tools: {type(tools).__name__}; expected a list of tool definitions (JSON objects)")
+    return tools or None
 
 
 def _layout_of(turns) -> list[str]:
@@ -334,9 +362,13 @@ def assistant_spans(tokenizer, conversation: list[dict], source: str = "the targ
     rendering dropped it. A turn whose content or end marker the template rewrites (reasoning dropped from past
     turns) raises ChatTemplateError, naming `source`, the turn and the ways out (`HISTORY_WAYS_OUT`)."""
 
+    tools = tools_of(conversation)
+
     def text(messages: list[dict], generation_prompt: bool) -> str:
         try:
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            return tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+            )
         except Exception as exc:  # jinja's TemplateError from raise_exception, or a template bug
             roles = [m["role"] for m in messages]
             raise ChatTemplateError(f"{source} cannot render a conversation with roles {roles}: {exc}") from None
@@ -418,5 +450,7 @@ def prompt_ids(tokenizer, conversation: list[dict], max_len: int) -> list[int]:
         if message["role"] == "assistant":
             break
         first_user.append(message)
-    out = tokenizer.apply_chat_template(first_user, tokenize=True, add_generation_prompt=True, return_dict=True)
+    out = tokenizer.apply_chat_template(
+        first_user, tools=tools_of(conversation), tokenize=True, add_generation_prompt=True, return_dict=True
+    )
     return list(out["input_ids"])[-max_len:]

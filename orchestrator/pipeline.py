@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,7 +22,14 @@ from orchestrator import compute as compute_mod
 from orchestrator import layers as layer_contract
 from orchestrator import preflight, runner, tracking
 from orchestrator.artifacts import CODE_VERSION, MANIFEST, file_sha256, stable_hash, write_json
-from orchestrator.config import RootConfig, captured_layers, extract_storage, tasks_per_node, world_size
+from orchestrator.config import (
+    RootConfig,
+    captured_layers,
+    extract_storage,
+    tasks_per_node,
+    vllm_capture_ids,
+    world_size,
+)
 from orchestrator.data import data_identity
 from orchestrator.targets import target_dir
 
@@ -63,8 +71,11 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     extract.pop("python")  # where vLLM lives; its version is the engine's (below)
     if cfg.extract.engine == "hf":  # the keys of extractions made before engines were chosen stay the same
         extract.pop("engine")
+        extract.pop("vllm_args")
     else:
         extract["engine_version"] = cfg.serve.vllm_version
+        if not cfg.extract.vllm_args:  # the keys of vLLM extractions made before extra flags existed stay the same
+            extract.pop("vllm_args")
     data = _subtree(cfg, "data")
     # a user's file edited in place is another data set: its content, not its path, keys the extraction
     data["file_sha256"] = [file_sha256(Path(f)) for f in [*cfg.data.train_files, *cfg.data.val_files]]
@@ -102,6 +113,12 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
 def stage_layer_ids(cfg: RootConfig, stage: str) -> dict[str, Any]:
     """The layer ids a stage uses, in that stage's own convention."""
     n = cfg.target.num_hidden_layers
+    if stage == "extract" and cfg.extract.engine == "vllm":
+        return {
+            "convention": f"vllm {cfg.serve.vllm_version} extract_hidden_states ({cfg.target.family} rule)",
+            "eagle_aux_hidden_state_layer_ids": vllm_capture_ids(cfg, captured_layers(cfg)),
+            "teacher": {"kind": cfg.extract.teacher, "from": f"the last id: layer {n - 1}'s output"},
+        }
     if stage == "extract":
         indices = []
         for k in captured_layers(cfg):
@@ -306,6 +323,23 @@ def print_mask_preview(cfg: RootConfig, target: Path) -> None:
         )
 
 
+def print_vllm_capture(cfg: RootConfig, plan: Plan) -> None:
+    """extract.engine=vllm: the command each extract task runs, its engine arguments checked by vLLM's own
+    parser in vLLM's environment (a flag it does not know, a bad choice or bad JSON fails the dry run)."""
+    from orchestrator.serving import vllm as vllm_engine
+
+    if "extract" not in cfg.stages or cfg.extract.engine != "vllm":
+        return
+    work = plan.dir("extract") / "vllm_states" / "rank0"
+    engine_args = vllm_engine.extract_engine_args(
+        cfg, plan.target_dir, work, cfg.extract.resources.gpus_per_node // tasks_per_node(cfg, "extract")
+    )
+    command = vllm_engine.capture_command(cfg.extract.python, work / "request.json", engine_args)
+    print(f"[extract] vLLM capture (each task; rank0's folder shown): {shlex.join(command)}")
+    vllm_engine.check_capture_args(cfg.extract.python, engine_args)
+    print(f"[extract] vLLM's parser in {cfg.extract.python} accepts the engine arguments")
+
+
 def write_run_files(cfg: RootConfig, plan: Plan) -> None:
     run_dir = Path(plan.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -336,6 +370,7 @@ def run_pipeline(
         print(f"[memory] {finding.message}")
     if cfg.dry_run:
         print_mask_preview(cfg, Path(plan.target_dir))
+        print_vllm_capture(cfg, plan)
         print(f"dry run: nothing submitted; plan written to {Path(plan.run_dir) / 'plan.json'}")
         return {"dry_run": True, "plan": asdict(plan)}
 

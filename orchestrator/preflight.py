@@ -203,7 +203,9 @@ def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
     quantized = quantization_of(target_dir)
     for stage in loaders:
         r = getattr(cfg, stage).resources
-        if quantized:
+        # vLLM loads a quantised checkpoint as shipped (its quantised experts stay quantised, sized as stored)
+        in_vllm = stage == "extract" and cfg.extract.engine == "vllm"
+        if quantized and not in_vllm:
             out.append(
                 Finding(
                     "memory",
@@ -263,7 +265,9 @@ def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
                 Finding(
                     "memory",
                     fits,
-                    f"{stage}: target weights {need / 1e9:,.1f} GB in {dtype}; each of its {tasks} task(s) "
+                    f"{stage}: target weights {need / 1e9:,.1f} GB in {dtype}"
+                    + (f" ({quantized} tensors as stored, in vLLM, tensor-parallel)" if in_vllm and quantized else "")
+                    + f"; each of its {tasks} task(s) "
                     f"per node has {gpus} GPU(s) x {cfg.cluster.gpu_memory_gb:g} GB, of which the weights "
                     f"may fill {GPU_FILL:.0%}: {have / 1e9:,.1f} GB",
                     fix,

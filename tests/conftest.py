@@ -43,7 +43,7 @@ SAMPLE_DATA = Path(__file__).resolve().parents[1] / "data" / "sample_chat.jsonl"
 
 def user_overrides(overrides) -> list[str]:
     overrides = list(overrides)
-    if "+experiment=kimi_eagle3" not in overrides:
+    if not any(o.startswith("+experiment=kimi_eagle3") for o in overrides):  # kimi_eagle3 and its variants
         return overrides
     return [f"data.train_files=[{SAMPLE_DATA}]", "cluster.gpu_memory_gb=141", *overrides]
 

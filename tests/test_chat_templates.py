@@ -66,7 +66,7 @@ def tokenizer_for(template: str):
 
 def masked_runs(tokenizer, conversation) -> list[str]:
     """The text under each run of consecutive masked tokens."""
-    full = tokenizer.apply_chat_template(conversation, tokenize=False)
+    full = tokenizer.apply_chat_template(conversation, tools=getattr(conversation, "tools", None), tokenize=False)
     offsets = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     mask = render(tokenizer, conversation, 1 << 20).loss_mask
     runs, start = [], None

@@ -11,7 +11,7 @@ import pytest
 from conftest import compose_config
 
 from orchestrator.config import ConfigError
-from orchestrator.data import DataFileError, conversations, parse_record, render
+from orchestrator.data import DataFileError, conversations, parse_record, prompt_ids, render
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 
@@ -188,3 +188,46 @@ def test_tool_call_turns_are_kept_in_both_layouts_and_masked_as_the_assistant_wr
     assert runs[1] == "It is 18C and sunny.<|im_end|>", runs
     assert not any("18C and sunny" in r for r in runs[:1]) and not any("Weather in Paris" in r for r in runs)
     assert sum(render(tokenizer, TOOL_CHAT, 1 << 20).loss_mask) > 0
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_a_records_tool_definitions_reach_the_template_and_stay_out_of_the_mask():
+    """A record's `tools` (OpenAI's list, or LLaMA-Factory's ShareGPT JSON string) go to the chat template with its
+    turns: under Qwen 2.5's published template they are rendered in the system prompt, in the training sequence and
+    in the prompt regeneration sends, and the mask still covers only what the assistant writes. A `tools` that is
+    not a list of objects is refused, naming the row."""
+    from test_chat_templates import masked_runs, tokenizer_for
+
+    openai = parse_record({"messages": TOOL_CHAT, "tools": [WEATHER_TOOL]}, "auto", "row 3")
+    assert openai == TOOL_CHAT and openai.tools == [WEATHER_TOOL]
+    sharegpt = {
+        "conversations": [{"from": "human", "value": "Weather in Paris?"}, {"from": "gpt", "value": "Let me look."}],
+        "tools": json.dumps([WEATHER_TOOL["function"]]),
+    }
+    assert parse_record(sharegpt, "auto", "row 4").tools == [WEATHER_TOOL["function"]]
+    assert parse_record({"messages": TOOL_CHAT}, "auto", "row 5").tools is None
+
+    tokenizer = tokenizer_for((TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text())
+    with_tools, without = render(tokenizer, openai, 1 << 20), render(tokenizer, TOOL_CHAT, 1 << 20)
+    text = tokenizer.decode(with_tools.input_ids)
+    assert (
+        "# Tools" in text
+        and "The weather in a city now" in text
+        and "# Tools" not in tokenizer.decode(without.input_ids)
+    )
+    assert masked_runs(tokenizer, openai) == masked_runs(tokenizer, TOOL_CHAT), "the tools are not the assistant's"
+    assert sum(with_tools.loss_mask) == sum(without.loss_mask)
+    assert "The weather in a city now" in tokenizer.decode(prompt_ids(tokenizer, openai, 1 << 20))
+    with pytest.raises(DataFileError, match=r"row 6: tools: dict; expected a list of tool definitions"):
+        parse_record({"messages": TOOL_CHAT, "tools": WEATHER_TOOL}, "auto", "row 6")
+    with pytest.raises(DataFileError, match=r"row 7: tools: a string that is not JSON"):
+        parse_record({"messages": TOOL_CHAT, "tools": "[{"}, "auto", "row 7")

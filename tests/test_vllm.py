@@ -236,7 +236,8 @@ def test_vllms_own_capture_lands_every_id_the_contract_allows_on_the_state_it_na
     canonical = layer_contract.from_engine_ids("vllm", ids, n, cfg.target.family, "0.32.0")
     assert canonical == list(range(-1, n)), canonical
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24]]
-    report = vllm_engine.capture_states(vllm_python, target, ids, prompts, tmp_path / "states",
+    engine_args = vllm_engine.capture_engine_args(target, ids, tmp_path / "states")
+    report = vllm_engine.capture_states(vllm_python, engine_args, prompts, tmp_path / "states",
                                         include_output_tokens=True, max_tokens=6)  # fmt: skip
     assert report["vllm_version"] == "0.32.0"
 
@@ -335,6 +336,61 @@ def test_a_one_pass_extraction_holds_the_separate_regenerations_tokens(vllm_pyth
                 worst = max(worst, float((x - y).abs().max() / y.abs().max()))
     print(f"{sequences} sequences, {ended} ended at the end token; states differ by {worst:.2e} at most")
     assert sequences >= 100 and worst < 2e-2, worst
+
+
+@pytest.mark.vllm
+def test_the_kimi_dry_run_prints_a_vllm_capture_that_vllms_parser_accepts(vllm_python, tmp_path):
+    """+experiment=kimi_eagle3_vllm: the dry run prints the command each extract task runs (tp 8 over the node,
+    the flags of vLLM's Kimi-K2.5 recipe, NVIDIA's ids [2, 30, 58, 61]) and vLLM's own parser, in vLLM's
+    environment, accepts its engine arguments. Nothing is submitted."""
+    import shlex
+
+    from conftest import user_overrides
+
+    env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(tmp_path / "outputs"), "VLLM_PYTHON": vllm_python}
+
+    argv = user_overrides(["+experiment=kimi_eagle3_vllm", "dry_run=true"])
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", *argv], capture_output=True, text=True, env=env,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("[extract] vLLM capture"))
+    command = shlex.split(line.split(": ", 1)[1])
+    assert command[:2] == [vllm_python, str(vllm_engine.CAPTURE)]
+    engine_args = command[3:]
+    flags = dict(zip(engine_args, engine_args[1:]))
+    assert flags["--tensor-parallel-size"] == "8" and flags["--mm-encoder-tp-mode"] == "data"
+    assert "--trust-remote-code" in engine_args and "--enforce-eager" not in engine_args
+    ids = json.loads(flags["--speculative-config"])["draft_model_config"]["hf_config"]
+    assert ids == {"eagle_aux_hidden_state_layer_ids": [2, 30, 58, 61]}
+    assert "vLLM's parser in" in proc.stdout and "accepts the engine arguments" in proc.stdout
+    vllm_engine.check_capture_args(vllm_python, engine_args)  # the printed command, parsed again
+    assert not list((tmp_path / "outputs").rglob("jobs")), "a dry run submits nothing"
+
+
+@pytest.mark.vllm
+def test_a_quantized_target_is_refused_for_hf_capture_but_not_for_vllms(vllm_python, tiny_config, tmp_path):
+    """vLLM loads a quantized checkpoint as shipped, so extract.engine=vllm takes one (its memory is checked at
+    the stored size) where HF's capture refuses it before any job. A flag value vLLM does not take fails the dry
+    run with vLLM's parser's message."""
+    from orchestrator.config import ConfigError
+    from orchestrator.preflight import PreflightError
+
+    target = ensure_target(tiny_config(), progress=False)
+    quantized = tmp_path / "quantized"
+    shutil.copytree(target, quantized, ignore=shutil.ignore_patterns("*.lock"))
+    conf = json.loads((quantized / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    (quantized / "config.json").write_text(json.dumps(conf))
+    common = ("dry_run=true", "stages=[extract]", f"target.path={quantized}", "data.regenerate.enabled=false")
+    with pytest.raises(PreflightError, match=r"extract: the target at .* is quantized \(compressed-tensors\)"):
+        run_pipeline(tiny_config(*common), tmp_path / "hf")
+    vllm = tiny_config(*common, "extract.engine=vllm", f"extract.python={vllm_python}")
+    assert run_pipeline(vllm, tmp_path / "vllm")["dry_run"]
+    with pytest.raises(
+        ConfigError, match=r"(?s)rejects the capture's engine arguments:.*'sideways' \(choose from 'data'"
+    ):
+        run_pipeline(tiny_config(*common, "extract.engine=vllm", f"extract.python={vllm_python}",
+                                 "extract.vllm_args=[--mm-encoder-tp-mode,sideways]"), tmp_path / "bad")  # fmt: skip
 
 
 def test_a_vllm_extraction_is_checked_before_any_job(tmp_path):

@@ -4,6 +4,8 @@ docs/engines.md#vllm).
     launch_command   the `python -m vllm.entrypoints.openai.api_server ...` argv (`vllm serve`'s server), baseline
                      or EAGLE-3 speculative (`--speculative-config {"method": "eagle3", ...}`)
     server_env       what the engine needs in its environment on a machine without GPUs
+    capture_engine_args  the capture's engine arguments, as `vllm serve` takes them; `check_capture_args` runs
+                     them through vLLM's own parser
     capture_states   the target's states at given layer ids, by vLLM's own extractor (vllm_side/capture.py)
     check_draft_loads  the exported draft loaded by vLLM's own model loader (vllm_side/load_check.py, run in vLLM's
                      environment): every checkpoint tensor used, every parameter loaded, before any server starts
@@ -127,26 +129,89 @@ def _run_vllm_side(argv: list[str], env: dict[str, str], timeout: float, failure
     return json.loads(lines[-1])
 
 
+def capture_engine_args(
+    target_path: Path | str, ids: list[int], out: Path | str, *, dtype: str = "float32", max_model_len: int = 512,
+    tensor_parallel_size: int = 1, trust_remote_code: bool = False, gpus: bool = False, extra: tuple[str, ...] = (),
+) -> list[str]:  # fmt: skip
+    """The engine arguments of a capture, as `vllm serve` takes them (EngineArgs' command line): the target, the
+    extractor at vLLM layer ids `ids` (`--speculative-config`) and the project's connector writing to
+    `out/raw` (`--kv-transfer-config`). vllm_side/capture.py parses exactly these with vLLM's own parser."""
+    speculative = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(ids)}},
+    }
+    connector = {
+        "kv_connector": "CPUHiddenStatesConnector",
+        "kv_connector_module_path": "hidden_states_connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(Path(out) / "raw")},
+    }
+    argv = ["--model", str(target_path), "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0"]
+    if tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if trust_remote_code:
+        argv.append("--trust-remote-code")
+    if not gpus:
+        argv.append("--enforce-eager")  # vLLM's CPU backend: no torch.compile warm-up (minutes on 2 cores)
+    argv += ["--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(connector)]
+    return argv + list(extra)
+
+
+def extract_engine_args(cfg: RootConfig, target_path: Path | str, out: Path | str, gpus: int) -> list[str]:
+    """An extract.engine=vllm task's engine arguments: the extraction's layers and the last layer's output at
+    vLLM's ids, in the precision the task computes in, tensor-parallel over the task's `gpus`, and
+    `extract.vllm_args` last."""
+    from orchestrator.config import captured_layers, vllm_capture_ids
+
+    return capture_engine_args(
+        target_path, vllm_capture_ids(cfg, captured_layers(cfg)), out,
+        dtype=resolve_precision(cfg.extract.precision, gpus), max_model_len=cfg.data.max_seq_len + 8,
+        tensor_parallel_size=max(1, gpus), trust_remote_code=cfg.target.trust_remote_code, gpus=gpus > 0,
+        extra=tuple(cfg.extract.vllm_args),
+    )  # fmt: skip
+
+
+def capture_command(python: str, request: Path | str, engine_args: list[str]) -> list[str]:
+    return [python, str(CAPTURE), str(request), *engine_args]
+
+
 def capture_states(
-    python: str, target_path: Path | str, ids: list[int], prompts: list[list[int]], out: Path, *,
-    include_output_tokens: bool = False, max_tokens: int = 1, max_model_len: int = 512, dtype: str = "float32",
-    tensor_parallel_size: int = 1, timeout: float = 3600,
+    python: str, engine_args: list[str], prompts: list[list[int]], out: Path, *, include_output_tokens: bool = False,
+    max_tokens: int = 1, timeout: float = 3600,
 ) -> dict:  # fmt: skip
-    """The target's states at vLLM layer ids `ids` for each prompt, captured by vLLM's own extractor
-    (`extract_hidden_states`, vllm_side/capture.py in vLLM's environment `python`). Request i's states are in
-    `out/<i>.safetensors` (`hidden_states` [tokens, len(ids), hidden], `token_ids`); with
+    """The target's states for each prompt, captured by vLLM's own extractor (`extract_hidden_states`,
+    vllm_side/capture.py in vLLM's environment `python`) with `engine_args` (`capture_engine_args`). Request
+    i's states are in `out/<i>.safetensors` (`hidden_states` [tokens, len(ids), hidden], `token_ids`); with
     `include_output_tokens`, vLLM first generates `max_tokens` greedily and the tokens are prompt and response
     (its last token excepted) in one pass. Returns the script's report (files, generated ids, vLLM's version)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    request = {
-        "target": str(target_path), "ids": list(ids), "prompts": prompts, "out": str(out), "dtype": dtype,
-        "max_model_len": max_model_len, "include_output_tokens": include_output_tokens, "max_tokens": max_tokens,
-        "tensor_parallel_size": tensor_parallel_size,
-    }  # fmt: skip
+    request = {"prompts": prompts, "out": str(out), "include_output_tokens": include_output_tokens,
+               "max_tokens": max_tokens}  # fmt: skip
     (out / "request.json").write_text(json.dumps(request))
-    env = {"VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB}
-    return _run_vllm_side([python, str(CAPTURE), str(out / "request.json")], env, timeout, "vLLM's capture failed")
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)}
+    argv = capture_command(python, out / "request.json", engine_args)
+    return _run_vllm_side(argv, env, timeout, "vLLM's capture failed")
+
+
+def check_capture_args(python: str, engine_args: list[str], timeout: float = 120) -> None:
+    """`engine_args` through vLLM's own parser (EngineArgs' command line, as `vllm serve` reads it) in the
+    environment of `python`, without starting an engine: an unknown or mistyped flag, a bad choice or bad JSON
+    raises ConfigError with vLLM's message."""
+    try:
+        done = subprocess.run(
+            [python, str(CAPTURE), "--parse-only", *engine_args], capture_output=True, text=True, timeout=timeout
+        )
+    except FileNotFoundError:
+        raise ConfigError(f"{python!r} does not exist; build it with bash scripts/make_vllm_env.sh") from None
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"vLLM's argument parser in {python} did not finish within {timeout:.0f} s") from None
+    if done.returncode != 0:
+        raise ConfigError(
+            f"vLLM's parser in {python} rejects the capture's engine arguments:\n{done.stderr.strip()[-2000:]}\n"
+            f"arguments: {' '.join(engine_args)}"
+        )
 
 
 def check_draft_loads(cfg: RootConfig, target_path: Path | str, draft_dir: Path | str, timeout: float = 600) -> dict:

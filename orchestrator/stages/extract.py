@@ -393,7 +393,6 @@ def _vllm_capture(tokenizer, shards, todo, layers, out: Path, cfg: RootConfig, c
     kept as a regeneration's are (`<split>/regenerated_NNNNN.safetensors`), so the shard loop reads them back."""
     import shutil
 
-    from orchestrator.compute import resolve_precision
     from orchestrator.serving import vllm as vllm_engine
     from orchestrator.targets import load_head_tensors, target_config_json
 
@@ -411,11 +410,12 @@ def _vllm_capture(tokenizer, shards, todo, layers, out: Path, cfg: RootConfig, c
     if work.exists():
         shutil.rmtree(work)
     gpus = sum(d.type == "cuda" for d in compute.devices)
+    engine_args = vllm_engine.extract_engine_args(cfg, target_path, work, gpus)
+    print(f"[extract] {' '.join(vllm_engine.capture_command(cfg.extract.python, work / 'request.json', engine_args))}")
     report = vllm_engine.capture_states(
-        cfg.extract.python, target_path, ids, prompts, work, max_model_len=max_len + 8,
-        dtype=resolve_precision(cfg.extract.precision, gpus), tensor_parallel_size=max(1, gpus),
+        cfg.extract.python, engine_args, prompts, work, include_output_tokens=one_pass,
         # one token past the budget, so that a response cut at max_new_tokens has a state for every token
-        include_output_tokens=one_pass, max_tokens=r.max_new_tokens + 1 if one_pass else 1,
+        max_tokens=r.max_new_tokens + 1 if one_pass else 1,
     )  # fmt: skip
     mode = "generated and captured in one pass" if one_pass else "captured"
     print(f"[extract] vLLM {report['vllm_version']} {mode}: ids {ids} for {len(prompts)} sequences")

@@ -2,18 +2,20 @@
 
 Runs inside vLLM's environment, standalone (it imports vLLM, torch and safetensors, nothing of this project):
 
-    python orchestrator/serving/vllm_side/capture.py REQUEST.json
+    python orchestrator/serving/vllm_side/capture.py REQUEST.json ENGINE_ARGS...
+    python orchestrator/serving/vllm_side/capture.py --parse-only ENGINE_ARGS...
 
-REQUEST.json: {"target": dir, "ids": [vLLM layer ids], "prompts": [[token ids], ...], "out": dir,
-"dtype": "float32", "max_model_len": int, "include_output_tokens": false, "max_tokens": 1,
-"tensor_parallel_size": 1}. vLLM runs the target
-with `speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-"draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}}` and the hidden-states connector
-(`hidden_states_connector.CPUHiddenStatesConnector`, vLLM's own on GPUs). Request i's states land in
-`out/<i>.safetensors`: `hidden_states` [tokens, len(ids), hidden] in the order of `ids`, and `token_ids`. With
-`include_output_tokens` the tokens are the prompt and the generated response but its last token (vLLM's one-pass
-mode: generate, then the states of prompt plus response). Prints one JSON line: vLLM's version, the files, and
-each request's generated token ids.
+ENGINE_ARGS are the engine's flags as `vllm serve` takes them (`orchestrator.serving.vllm.capture_engine_args`:
+the target, `--speculative-config {"method": "extract_hidden_states", ...}` with the layer ids, and
+`--kv-transfer-config` naming the hidden-states connector, `hidden_states_connector.CPUHiddenStatesConnector`,
+vLLM's own on GPUs). They are read by vLLM's own parser (EngineArgs' command line), so what a dry run prints and
+checks is what the engine runs with; `--parse-only` stops there.
+
+REQUEST.json: {"prompts": [[token ids], ...], "out": dir, "include_output_tokens": false, "max_tokens": 1}.
+Request i's states land in `out/<i>.safetensors`: `hidden_states` [tokens, len(ids), hidden] in the order of the
+ids, and `token_ids`. With `include_output_tokens` the tokens are the prompt and the generated response but its
+last token (vLLM's one-pass mode: generate, then the states of prompt plus response). Prints one JSON line:
+vLLM's version, the files, and each request's generated token ids.
 """
 
 from __future__ import annotations
@@ -27,7 +29,22 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def main(request: dict) -> dict:
+def engine_kwargs(argv: list[str]) -> dict:
+    """The engine arguments `argv` sets, parsed by vLLM's own parser: those that differ from its defaults."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="capture.py"))
+    parsed = EngineArgs.from_cli_args(parser.parse_args(argv))
+    defaults = EngineArgs.from_cli_args(parser.parse_args(["--model", parsed.model]))
+    names = [f.name for f in dataclasses.fields(EngineArgs)]
+    changed = {n: getattr(parsed, n) for n in names if getattr(parsed, n) != getattr(defaults, n)}
+    return {"model": parsed.model} | changed
+
+
+def main(request: dict, argv: list[str]) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # the connector module, for vLLM to import by name in whichever process runs the engine
     os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -36,26 +53,7 @@ def main(request: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     out = Path(request["out"])
-    raw = out / "raw"
-    llm = LLM(
-        model=request["target"],
-        dtype=request.get("dtype", "float32"),
-        max_model_len=request.get("max_model_len", 512),
-        enforce_eager=True,
-        seed=0,
-        tensor_parallel_size=request.get("tensor_parallel_size", 1),
-        speculative_config={
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(request["ids"])}},
-        },
-        kv_transfer_config={
-            "kv_connector": "CPUHiddenStatesConnector",
-            "kv_connector_module_path": "hidden_states_connector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": str(raw)},
-        },
-    )
+    llm = LLM(**engine_kwargs(argv))
     params = SamplingParams(
         max_tokens=request.get("max_tokens", 1),
         temperature=0.0,
@@ -102,4 +100,7 @@ def _locked(path: str) -> bool:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(json.loads(Path(sys.argv[1]).read_text()))), flush=True)
+    if sys.argv[1] == "--parse-only":
+        engine_kwargs(sys.argv[2:])  # vLLM's parser exits with its message on a bad argument
+    else:
+        print(json.dumps(main(json.loads(Path(sys.argv[1]).read_text()), sys.argv[2:])), flush=True)
