@@ -97,6 +97,21 @@ def fast_cache(tiny_config, tmp_path_factory):
     return ensure
 
 
+def quantized_tiny_target(tiny_config, dest: Path) -> Path:
+    """A copy of the tiny target whose config.json declares quantization as Kimi-K2.5's does (compressed-tensors
+    INT4 experts); its weights stay as they are."""
+    import json
+    import shutil
+
+    from orchestrator.targets import ensure_target
+
+    shutil.copytree(ensure_target(tiny_config(), progress=False), dest, ignore=shutil.ignore_patterns("*.lock"))
+    conf = json.loads((dest / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    (dest / "config.json").write_text(json.dumps(conf))
+    return dest
+
+
 def copy_cache(source: Path, dest: Path, parts=("targets", "extract")) -> Path:
     """The cache folders `parts` of outputs folder `source` copied into `dest` (locks and in-flight job records
     left behind): a fresh outputs folder in which those stages are cached."""

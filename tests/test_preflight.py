@@ -266,16 +266,9 @@ def test_dry_run_refuses_a_quantized_target_for_the_hf_capture(tiny_config, tmp_
     """A checkpoint whose config.json declares quantization (Kimi-K2.5's compressed-tensors INT4 experts, here
     planted in a copy of the tiny target's config) cannot be captured by HF transformers: refused before any job,
     naming what to do, whatever its weights' byte count."""
-    import shutil
+    from conftest import quantized_tiny_target
 
-    from orchestrator.targets import ensure_target
-
-    target = ensure_target(tiny_config(), progress=False)
-    quantized = tmp_path / "quantized"
-    shutil.copytree(target, quantized, ignore=shutil.ignore_patterns("*.lock"))
-    conf = json.loads((quantized / "config.json").read_text())
-    conf["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
-    (quantized / "config.json").write_text(json.dumps(conf))
+    quantized = quantized_tiny_target(tiny_config, tmp_path / "quantized")
     cfg = tiny_config("dry_run=true", f"target.path={quantized}")
     with pytest.raises(
         preflight.PreflightError, match=r"extract: the target at .* is quantized \(compressed-tensors\)"

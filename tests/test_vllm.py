@@ -372,15 +372,12 @@ def test_a_quantized_target_is_refused_for_hf_capture_but_not_for_vllms(vllm_pyt
     """vLLM loads a quantized checkpoint as shipped, so extract.engine=vllm takes one (its memory is checked at
     the stored size) where HF's capture refuses it before any job. A flag value vLLM does not take fails the dry
     run with vLLM's parser's message."""
+    from conftest import quantized_tiny_target
+
     from orchestrator.config import ConfigError
     from orchestrator.preflight import PreflightError
 
-    target = ensure_target(tiny_config(), progress=False)
-    quantized = tmp_path / "quantized"
-    shutil.copytree(target, quantized, ignore=shutil.ignore_patterns("*.lock"))
-    conf = json.loads((quantized / "config.json").read_text())
-    conf["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
-    (quantized / "config.json").write_text(json.dumps(conf))
+    quantized = quantized_tiny_target(tiny_config, tmp_path / "quantized")
     common = ("dry_run=true", "stages=[extract]", f"target.path={quantized}", "data.regenerate.enabled=false")
     with pytest.raises(PreflightError, match=r"extract: the target at .* is quantized \(compressed-tensors\)"):
         run_pipeline(tiny_config(*common), tmp_path / "hf")
