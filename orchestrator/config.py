@@ -655,6 +655,11 @@ def check_extract_engine(cfg: RootConfig) -> None:
         raise ConfigError(f"extract.engine=vllm: {exc}") from None
 
 
+def one_pass(cfg: RootConfig) -> bool:
+    """Whether vLLM answers each prompt and captures prompt plus answer in one request (extract.engine=vllm)."""
+    return cfg.data.regenerate.enabled and cfg.data.regenerate.engine == "one_pass"
+
+
 def vllm_capture_ids(cfg: RootConfig, layers) -> list[int]:
     """The vLLM ids an extract.engine=vllm extraction captures: `layers`, then the last layer's output (id N, the
     teacher's source), in vLLM's rule for the target's family."""
@@ -674,7 +679,7 @@ def check_regenerate(cfg: RootConfig) -> None:
             f"data.regenerate.engine={r.engine!r}: expected one of {REGENERATE_ENGINES} "
             "(hf: in process, server: an endpoint, one_pass: vLLM's extractor generates and captures at once)"
         )
-    if r.enabled and r.engine == "one_pass":
+    if one_pass(cfg):
         if cfg.extract.engine != "vllm":
             raise ConfigError(
                 f"data.regenerate.engine=one_pass with extract.engine={cfg.extract.engine}: the response is "

@@ -30,7 +30,7 @@ from orchestrator import layers as layer_contract
 from orchestrator.artifacts import ArtifactError, atomic_path, file_sha256, read_json, write_json, write_manifest
 from orchestrator.capture import HiddenStateCapture, base_model
 from orchestrator.compute import Compute
-from orchestrator.config import RootConfig, captured_layers, vllm_capture_ids
+from orchestrator.config import RootConfig, captured_layers, one_pass, vllm_capture_ids
 from orchestrator.data import Rendered, conversations, data_identity, prompt_ids
 from orchestrator.regenerate import Endpoint, one_pass_rendered, regenerate, sequences
 from orchestrator.targets import ensure_target, identity, load_target, load_tokenizer, template_source
@@ -187,9 +187,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
                     "vllm_version": cfg.serve.vllm_version,
                     "ids": vllm_capture_ids(cfg, layers),
                     # one_pass: each response generated and its states captured in the same request
-                    "mode": "one_pass"
-                    if cfg.data.regenerate.enabled and cfg.data.regenerate.engine == "one_pass"
-                    else "capture",
+                    "mode": "one_pass" if one_pass(cfg) else "capture",
                 }
                 if cfg.extract.engine == "vllm"
                 else {}
@@ -391,6 +389,7 @@ def _vllm_capture(tokenizer, shards, todo, layers, out: Path, cfg: RootConfig, c
     With data.regenerate.engine=one_pass, each request is the prompt alone: vLLM answers it greedily, then
     captures the states of prompt plus answer in the same request (`include_output_tokens`). The sequences are
     kept as a regeneration's are (`<split>/regenerated_NNNNN.safetensors`), so the shard loop reads them back."""
+    import shlex
     import shutil
 
     from orchestrator.serving import vllm as vllm_engine
@@ -398,9 +397,9 @@ def _vllm_capture(tokenizer, shards, todo, layers, out: Path, cfg: RootConfig, c
 
     ids = vllm_capture_ids(cfg, layers)  # the layers, then the last layer's output for the teacher
     r = cfg.data.regenerate
-    one_pass = r.enabled and r.engine == "one_pass"
+    answers_too = one_pass(cfg)
     max_len = cfg.data.max_seq_len
-    if one_pass:  # the prompts only: vLLM answers each, then captures prompt plus answer, in the same request
+    if answers_too:  # the prompts only: vLLM answers each, then captures prompt plus answer, in the same request
         prompts = [prompt_ids(tokenizer, c, max(1, max_len - 1)) for split, i in todo for c in shards[split][i]]
     else:
         rendered = {(split, index): _sequences(None, tokenizer, shards[split][index], split, index, out, cfg)
@@ -411,15 +410,16 @@ def _vllm_capture(tokenizer, shards, todo, layers, out: Path, cfg: RootConfig, c
         shutil.rmtree(work)
     gpus = sum(d.type == "cuda" for d in compute.devices)
     engine_args = vllm_engine.extract_engine_args(cfg, target_path, work, gpus)
-    print(f"[extract] {' '.join(vllm_engine.capture_command(cfg.extract.python, work / 'request.json', engine_args))}")
+    command = vllm_engine.capture_command(cfg.extract.python, work / "request.json", engine_args)
+    print(f"[extract] {shlex.join(command)}")
     report = vllm_engine.capture_states(
-        cfg.extract.python, engine_args, prompts, work, include_output_tokens=one_pass,
+        cfg.extract.python, engine_args, prompts, work, include_output_tokens=answers_too,
         # one token past the budget, so that a response cut at max_new_tokens has a state for every token
-        max_tokens=r.max_new_tokens + 1 if one_pass else 1,
+        max_tokens=r.max_new_tokens + 1 if answers_too else 1,
     )  # fmt: skip
-    mode = "generated and captured in one pass" if one_pass else "captured"
+    mode = "generated and captured in one pass" if answers_too else "captured"
     print(f"[extract] vLLM {report['vllm_version']} {mode}: ids {ids} for {len(prompts)} sequences")
-    if one_pass:
+    if answers_too:
         answers = iter(zip(prompts, report["generated"]))
         rendered = {}
         for split, index in todo:
