@@ -16,6 +16,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from orchestrator import engines
 from orchestrator import layers as layer_contract
 
 # `${project_root:}`: the checkout's root, where scripts/make_vllm_env.sh builds vLLM's environment by default
@@ -23,7 +24,6 @@ OmegaConf.register_new_resolver("project_root", lambda: str(Path(__file__).resol
 
 STAGES = ("extract", "train", "eval", "serve")
 FAMILIES = ("llama", "deepseek_v3", "kimi_k25")
-ENGINES = ("reference", "sglang", "vllm")
 CLUSTERS = ("local", "debug", "slurm")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SETS = ("stdlib_chat", "jsonl", "hf")
@@ -275,12 +275,12 @@ class ServeConfig:
     def engine_version(self) -> str:
         """The version whose layer-id rule applies: vLLM's for serve.engine=vllm, else SGLang's (the reference
         engine reads SGLang's convention)."""
-        return self.vllm_version if self.engine == "vllm" else self.sglang_version
+        return engines.get(self.engine).version(self)
 
     @property
     def id_rules(self) -> str:
         """Whose layer-id rules apply, for messages: 'vllm 0.32.0' or 'sglang 0.5.23'."""
-        return f"{'vllm' if self.engine == 'vllm' else 'sglang'} {self.engine_version}"
+        return f"{engines.get(self.engine).convention} {self.engine_version}"
 
 
 @dataclass
@@ -362,17 +362,19 @@ def apply_fallback(cfg: RootConfig) -> None:
     """serve.fallback in place of serve.engine when serve.python does not exist on this machine (the demo: vLLM
     where scripts/make_vllm_env.sh built it, the reference engine elsewhere); `fallback_reason` records why."""
     s = cfg.serve
-    if s.fallback in (None, s.engine) or s.engine not in ENGINES or s.engine == "reference" or Path(s.python).is_file():
+    if s.fallback in (None, s.engine) or s.engine not in engines.names(engines.SERVE):
+        return
+    script = engines.get(s.engine).env_script
+    if script is None or Path(s.python).is_file():  # an engine of the project's own environment is always here
         return
     s.fallback_reason = (
-        f"serve.engine={s.engine} needs serve.python={s.python}, which does not exist on this machine"
-        f"{' (build it: bash scripts/make_vllm_env.sh)' if s.engine == 'vllm' else ''}; "
-        f"serving with serve.fallback={s.fallback} instead"
+        f"serve.engine={s.engine} needs serve.python={s.python}, which does not exist on this machine "
+        f"(build it: bash {script}); serving with serve.fallback={s.fallback} instead"
     )
     s.engine = s.fallback
     s.fallback = None
-    if s.engine == "reference":  # it runs in the project's own environment and takes no engine flags
-        s.python, s.extra_args, s.dtype = "python", [], None
+    if s.engine in engines.names(engines.SERVE) and engines.get(s.engine).env_script is None:
+        s.python, s.extra_args, s.dtype = "python", [], None  # the project's own environment takes no engine flags
 
 
 def validate(cfg: RootConfig) -> None:
@@ -426,7 +428,8 @@ def validate(cfg: RootConfig) -> None:
     check_extract_engine(cfg)
     check(cfg.draft.torch_dtype in DTYPES, f"draft.torch_dtype={cfg.draft.torch_dtype!r}: expected one of {DTYPES}")
     check(cfg.train.ttt_steps >= 1, f"train.ttt_steps={cfg.train.ttt_steps}: expected >= 1")
-    check(cfg.serve.engine in ENGINES, f"serve.engine={cfg.serve.engine!r}: expected one of {ENGINES}")
+    serving = engines.names(engines.SERVE)
+    check(cfg.serve.engine in serving, f"serve.engine={cfg.serve.engine!r}: expected one of {serving}")
     check(cfg.cluster.kind in CLUSTERS, f"cluster.kind={cfg.cluster.kind!r}: expected one of {CLUSTERS}")
     for stage in STAGES:
         check_resources(cfg, stage)
@@ -446,15 +449,10 @@ def validate(cfg: RootConfig) -> None:
         bool(s.concurrency) and min(s.concurrency) >= 1,
         f"serve.concurrency={s.concurrency}: expected a non-empty list of levels >= 1",
     )
-    if s.engine == "reference":
-        check(s.eagle_topk == 1, f"serve.eagle_topk={s.eagle_topk}: the reference engine drafts a chain (topk 1)")
-    if s.engine == "vllm":
-        from orchestrator.serving import vllm as vllm_engine
-
-        vllm_engine.check_args(cfg)
+    engines.get(s.engine).check_config(cfg)
     check(
-        s.fallback is None or s.fallback in ENGINES,
-        f"serve.fallback={s.fallback!r}: expected null or one of {ENGINES}",
+        s.fallback is None or s.fallback in serving,
+        f"serve.fallback={s.fallback!r}: expected null or one of {serving}",
     )
     try:
         layer_contract.to_engine_ids(s.engine, cfg.aux_layers, t.num_hidden_layers, t.family, s.engine_version)
@@ -626,47 +624,18 @@ def check_hf_data(d: DataConfig) -> None:
         d.path = str(Path(d.path).resolve())
 
 
-EXTRACT_ENGINES = ("hf", "vllm")
-
-
 def check_extract_engine(cfg: RootConfig) -> None:
-    """extract.engine=vllm before any job: its environment, ids vLLM can capture for the layers and the teacher
-    (the last layer's output, id N), and no regeneration that needs the target in this project's environment."""
-    e = cfg.extract
-    if e.engine not in EXTRACT_ENGINES:
-        raise ConfigError(f"extract.engine={e.engine!r}: expected one of {EXTRACT_ENGINES}")
-    if e.engine == "hf":
-        return
-    if not e.python or not Path(e.python).is_file():
-        raise ConfigError(
-            f"extract.python={e.python!r}: extract.engine=vllm runs vLLM from its own environment; build it with "
-            "bash scripts/make_vllm_env.sh (outputs/vllm-env) or set VLLM_PYTHON"
-        )
-    r = cfg.data.regenerate
-    if r.enabled and r.engine == "hf":
-        raise ConfigError(
-            "data.regenerate.engine=hf with extract.engine=vllm: the HF engine regenerates with the target loaded in "
-            "this project's environment, which a vLLM extraction never loads; set data.regenerate.engine=one_pass "
-            "(vLLM answers and captures in one request) or server"
-        )
-    try:
-        vllm_capture_ids(cfg, captured_layers(cfg))
-    except layer_contract.LayerContractError as exc:
-        raise ConfigError(f"extract.engine=vllm: {exc}") from None
+    """extract.engine before any job: a registered capture engine, and what it needs (its environment, ids it can
+    capture for the layers and the teacher)."""
+    capturing = engines.names(engines.CAPTURE)
+    if cfg.extract.engine not in capturing:
+        raise ConfigError(f"extract.engine={cfg.extract.engine!r}: expected one of {capturing}")
+    engines.get(cfg.extract.engine).check_capture(cfg)
 
 
 def one_pass(cfg: RootConfig) -> bool:
     """Whether vLLM answers each prompt and captures prompt plus answer in one request (extract.engine=vllm)."""
     return cfg.data.regenerate.enabled and cfg.data.regenerate.engine == "one_pass"
-
-
-def vllm_capture_ids(cfg: RootConfig, layers) -> list[int]:
-    """The vLLM ids an extract.engine=vllm extraction captures: `layers`, then the last layer's output (id N, the
-    teacher's source), in vLLM's rule for the target's family."""
-    t = cfg.target
-    return layer_contract.to_engine_ids(
-        "vllm", [*layers, t.num_hidden_layers - 1], t.num_hidden_layers, t.family, cfg.serve.vllm_version
-    )
 
 
 def check_regenerate(cfg: RootConfig) -> None:
@@ -680,11 +649,13 @@ def check_regenerate(cfg: RootConfig) -> None:
             "(hf: in process, server: an endpoint, one_pass: vLLM's extractor generates and captures at once)"
         )
     if one_pass(cfg):
-        if cfg.extract.engine != "vllm":
+        capturing = engines.names(engines.CAPTURE)
+        if cfg.extract.engine not in capturing or not engines.get(cfg.extract.engine).generates:
+            able = [n for n in capturing if engines.get(n).generates]
             raise ConfigError(
                 f"data.regenerate.engine=one_pass with extract.engine={cfg.extract.engine}: the response is "
-                "generated and its states captured in one vLLM request; set extract.engine=vllm, or regenerate "
-                "with data.regenerate.engine=hf or server"
+                f"generated and its states captured in one request of a serving engine's capture; set "
+                f"extract.engine={' or '.join(able)}, or regenerate with data.regenerate.engine=hf or server"
             )
         if r.temperature != 0:
             raise ConfigError(
@@ -722,17 +693,8 @@ def check_regenerate(cfg: RootConfig) -> None:
                 f"data.regenerate.url={r.url!r}: expected the server's base URL, http(s)://HOST[:PORT] without a path "
                 f"(the requests go to {'/generate' if r.api == 'generate' else '/v1/completions'} under it)"
             )
-    if r.enabled and r.engine == "server" and r.url is None and r.temperature > 0 and cfg.serve.engine == "reference":
-        raise ConfigError(
-            f"data.regenerate.temperature={r.temperature} with data.regenerate.engine=server and "
-            "serve.engine=reference: the reference engine decodes greedily only; "
-            "set data.regenerate.temperature=0 or data.regenerate.engine=hf"
-        )
-    if r.enabled and r.engine == "server" and r.url is None and cfg.serve.engine == "vllm" and r.api != "completions":
-        raise ConfigError(
-            f"data.regenerate.api={r.api!r} with data.regenerate.engine=server and serve.engine=vllm: the vLLM "
-            "server the extract job starts speaks the OpenAI API only; set data.regenerate.api=completions"
-        )
+    if r.enabled and r.engine == "server" and r.url is None and cfg.serve.engine in engines.names(engines.SERVE):
+        engines.get(cfg.serve.engine).check_endpoint(cfg)  # the extract job starts serve.engine's server
 
 
 def check_speculative_args(s: ServeConfig) -> None:

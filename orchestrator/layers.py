@@ -178,35 +178,13 @@ def parse_version(version: str) -> tuple[int, ...]:
 
 
 def engine_rule(engine: str, family: str, version: str | None) -> IdRule:
-    """The id rule an engine applies to a model family at a version."""
-    if engine == "sglang":
-        if family not in SGLANG_FAMILIES:
-            raise LayerContractError(
-                f"no SGLang layer-id rule recorded for model family {family!r}; known: {SGLANG_FAMILIES}"
-            )
-        if family == "llama":
-            return SGLANG_SHIFT
-        if version is None:
-            raise LayerContractError(f"SGLang's id rule for {family} depends on the version; set serve.sglang_version")
-        return SGLANG_FIRST_ID if parse_version(version) >= SGLANG_FIRST_ID_SINCE else SGLANG_SHIFT
-    if engine == "speculators":
-        return VLLM_ENTERING
-    if engine == "vllm":
-        if version is None or parse_version(version)[:2] != VLLM_CHECKED:
-            checked = ".".join(map(str, VLLM_CHECKED))
-            raise LayerContractError(
-                f"no vLLM layer-id rule recorded for version {version!r} (read from vLLM's source for {checked}.x); "
-                f"set serve.vllm_version={checked}.0 and serve with that version, or record the new version's rule "
-                "in orchestrator/layers.py from its model code"
-            )
-        if family not in SGLANG_FAMILIES:
-            raise LayerContractError(
-                f"no vLLM layer-id rule recorded for model family {family!r}; known: {SGLANG_FAMILIES}"
-            )
-        return VLLM_ENTERING if family == "llama" else VLLM_DEEPSEEK
-    if engine == "hf":
-        raise LayerContractError("HF capture uses hook points, not ids: see hf_capture_point")
-    raise LayerContractError(f"unknown engine {engine!r}; expected sglang, vllm or speculators")
+    """The id rule an engine applies to a model family at a version: the engine's own (`orchestrator.engines`)."""
+    from orchestrator import engines
+
+    try:
+        return engines.get(engine).id_rule(family, version)
+    except engines.EngineError as exc:
+        raise LayerContractError(str(exc)) from None
 
 
 def captured_layers(rule: IdRule, ids: Sequence[int], num_layers: int) -> list[int]:
@@ -266,17 +244,15 @@ def from_vllm_ids(ids: Sequence[int], num_layers: int, family: str = "llama", ve
 def id_convention(engine: str) -> str:
     """The engine whose id convention a draft config for `engine` is written in (the reference engine reads
     SGLang's): two drafts for engines of one convention are interchangeable, of two conventions they are not."""
-    return "sglang" if engine == "reference" else engine
+    from orchestrator import engines
+
+    return engines.get(engine).convention or engine
 
 
 def to_engine_ids(engine: str, layers: Sequence[int], num_layers: int, family: str, version: str | None) -> list[int]:
-    """The ids a serving engine's draft config must carry. The reference engine reads SGLang's convention."""
-    if engine == "reference":
-        engine = "sglang"
+    """The ids a serving engine's draft config must carry, in that engine's rule."""
     return encode(engine_rule(engine, family, version), layers, num_layers)
 
 
 def from_engine_ids(engine: str, ids: Sequence[int], num_layers: int, family: str, version: str | None) -> list[int]:
-    if engine == "reference":
-        engine = "sglang"
     return captured_layers(engine_rule(engine, family, version), ids, num_layers)

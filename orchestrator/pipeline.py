@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
-import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,15 +18,14 @@ from typing import Any, Iterator
 from omegaconf import OmegaConf
 
 from orchestrator import compute as compute_mod
+from orchestrator import engines, preflight, runner, tracking
 from orchestrator import layers as layer_contract
-from orchestrator import preflight, runner, tracking
 from orchestrator.artifacts import CODE_VERSION, MANIFEST, file_sha256, stable_hash, write_json
 from orchestrator.config import (
     RootConfig,
     captured_layers,
     extract_storage,
     tasks_per_node,
-    vllm_capture_ids,
     world_size,
 )
 from orchestrator.data import data_identity
@@ -69,13 +67,7 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     extract.pop("max_bytes")  # a budget, not an input: the same shards whatever it is
     extract.pop("force")  # how, not what: the same shards again
     extract.pop("python")  # where vLLM lives; its version is the engine's (below)
-    if cfg.extract.engine == "hf":  # the keys of extractions made before engines were chosen stay the same
-        extract.pop("engine")
-        extract.pop("vllm_args")
-    else:
-        extract["engine_version"] = cfg.serve.vllm_version
-        if not cfg.extract.vllm_args:  # the keys of vLLM extractions made before extra flags existed stay the same
-            extract.pop("vllm_args")
+    extract = engines.get(cfg.extract.engine, engines.CAPTURE).capture_key(cfg, extract)
     data = _subtree(cfg, "data")
     # a user's file edited in place is another data set: its content, not its path, keys the extraction
     data["file_sha256"] = [file_sha256(Path(f)) for f in [*cfg.data.train_files, *cfg.data.val_files]]
@@ -113,28 +105,8 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
 def stage_layer_ids(cfg: RootConfig, stage: str) -> dict[str, Any]:
     """The layer ids a stage uses, in that stage's own convention."""
     n = cfg.target.num_hidden_layers
-    if stage == "extract" and cfg.extract.engine == "vllm":
-        return {
-            "convention": f"vllm {cfg.serve.vllm_version} extract_hidden_states ({cfg.target.family} rule)",
-            "eagle_aux_hidden_state_layer_ids": vllm_capture_ids(cfg, captured_layers(cfg)),
-            "teacher": {"kind": cfg.extract.teacher, "from": f"the last id: layer {n - 1}'s output"},
-        }
-    if stage == "extract":
-        indices = []
-        for k in captured_layers(cfg):
-            try:
-                indices.append(layer_contract.hf_hidden_states_index(k, n))
-            except layer_contract.LayerContractError:
-                indices.append(None)  # the last layer's raw output is only reachable by a hook
-        return {
-            "convention": "hf",
-            "capture_points": [layer_contract.hf_capture_point(k, n) for k in captured_layers(cfg)],
-            "hidden_states_indices": indices,
-            "teacher": {
-                "kind": cfg.extract.teacher,
-                "capture_point": layer_contract.hf_teacher_capture_point(cfg.extract.teacher, n),
-            },
-        }
+    if stage == "extract":  # in the capture engine's convention
+        return engines.get(cfg.extract.engine, engines.CAPTURE).capture_ids(cfg, captured_layers(cfg))
     if stage == "train":
         return {"convention": "canonical", "aux_layers": list(cfg.train.layers)}
     engine = f"{cfg.serve.engine} ({cfg.serve.id_rules} rules, family {cfg.target.family})"
@@ -323,23 +295,6 @@ def print_mask_preview(cfg: RootConfig, target: Path) -> None:
         )
 
 
-def print_vllm_capture(cfg: RootConfig, plan: Plan) -> None:
-    """extract.engine=vllm: the command each extract task runs, its engine arguments checked by vLLM's own
-    parser in vLLM's environment (a flag it does not know, a bad choice or bad JSON fails the dry run)."""
-    from orchestrator.serving import vllm as vllm_engine
-
-    if "extract" not in cfg.stages or cfg.extract.engine != "vllm":
-        return
-    work = plan.dir("extract") / "vllm_states" / "rank0"
-    engine_args = vllm_engine.extract_engine_args(
-        cfg, plan.target_dir, work, cfg.extract.resources.gpus_per_node // tasks_per_node(cfg, "extract")
-    )
-    command = vllm_engine.capture_command(cfg.extract.python, work / "request.json", engine_args)
-    print(f"[extract] vLLM capture (each task; rank0's folder shown): {shlex.join(command)}")
-    vllm_engine.check_capture_args(cfg.extract.python, engine_args)
-    print(f"[extract] vLLM's parser in {cfg.extract.python} accepts the engine arguments")
-
-
 def write_run_files(cfg: RootConfig, plan: Plan) -> None:
     run_dir = Path(plan.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -370,7 +325,8 @@ def run_pipeline(
         print(f"[memory] {finding.message}")
     if cfg.dry_run:
         print_mask_preview(cfg, Path(plan.target_dir))
-        print_vllm_capture(cfg, plan)
+        if "extract" in cfg.stages:  # what each extract task runs, checked by the engine where it can
+            engines.get(cfg.extract.engine, engines.CAPTURE).print_capture(cfg, plan)
         print(f"dry run: nothing submitted; plan written to {Path(plan.run_dir) / 'plan.json'}")
         return {"dry_run": True, "plan": asdict(plan)}
 

@@ -199,13 +199,19 @@ def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
     from orchestrator.targets import GPU_FILL, weight_bytes
 
     out: list[Finding] = []
-    loaders = [s for s in cfg.stages if s in ("extract", "eval") or (s == "serve" and cfg.serve.engine == "reference")]
+    from orchestrator import engines
+
+    # extract's capture engine and eval load it; serve only where its engine runs in this project's environment
+    in_process = engines.get(cfg.serve.engine).env_script is None
+    loaders = [s for s in cfg.stages if s in ("extract", "eval") or (s == "serve" and in_process)]
+    capture = engines.get(cfg.extract.engine)
     quantized = quantization_of(target_dir)
     for stage in loaders:
         r = getattr(cfg, stage).resources
-        # vLLM loads a quantised checkpoint as shipped (its quantised experts stay quantised, sized as stored)
-        in_vllm = stage == "extract" and cfg.extract.engine == "vllm"
-        if quantized and not in_vllm:
+        # a serving engine's capture (vLLM) loads a quantised checkpoint as shipped (its quantised experts stay
+        # quantised, sized as stored); HF transformers cannot
+        as_shipped = stage == "extract" and capture.loads_quantized
+        if quantized and not as_shipped:
             out.append(
                 Finding(
                     "memory",
@@ -266,7 +272,11 @@ def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
                     "memory",
                     fits,
                     f"{stage}: target weights {need / 1e9:,.1f} GB in {dtype}"
-                    + (f" ({quantized} tensors as stored, in vLLM, tensor-parallel)" if in_vllm and quantized else "")
+                    + (
+                        f" ({quantized} tensors as stored, in {capture.name}, tensor-parallel)"
+                        if as_shipped and quantized
+                        else ""
+                    )
                     + f"; each of its {tasks} task(s) "
                     f"per node has {gpus} GPU(s) x {cfg.cluster.gpu_memory_gb:g} GB, of which the weights "
                     f"may fill {GPU_FILL:.0%}: {have / 1e9:,.1f} GB",
@@ -419,26 +429,34 @@ def run_checks(cfg: RootConfig, plan, draft_dir: str | None = None) -> list[Find
     draft = Path(draft_dir) if draft_dir else plan.dir("train") / "draft"
     if (draft / "config.json").exists():
         findings += draft_findings(cfg, draft, target_dir, as_served=not draft_dir)
-        if draft_dir and cfg.serve.engine == "vllm":
-            findings += vllm_loader_findings(cfg, draft, target_dir)
+        if draft_dir:
+            findings += loader_findings(cfg, draft, target_dir)
     elif draft_dir:
         findings.append(Finding("draft config", False, f"check_draft={draft_dir}: no config.json there"))
     return findings
 
 
-def vllm_loader_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -> list[Finding]:
-    """`check_draft=` with serve.engine=vllm: the draft through vLLM's own loader (the serve stage's first step),
-    where vLLM's environment and the target's config.json are here."""
-    from orchestrator.serving import vllm as vllm_engine
+def loader_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -> list[Finding]:
+    """`check_draft=`: the draft through serve.engine's own loader (the serve stage's first step), where the
+    engine has one (vLLM) and its environment and the target's config.json are here."""
+    from orchestrator import engines
 
-    if not vllm_engine.available(cfg.serve.python) or not (target_dir / "config.json").exists():
-        why = "no vLLM environment at serve.python" if (target_dir / "config.json").exists() else "no target here"
-        return [Finding("vllm loader", True, f"not run: {why}; the serve stage runs it before its servers start")]
-    report = vllm_engine.check_draft_loads(cfg, target_dir, draft_dir)
+    engine = engines.get(cfg.serve.engine, engines.SERVE)
+    category = f"{engine.name} loader"
+    if not engine.checks_drafts:
+        return []
+    if not Path(cfg.serve.python).is_file() or not (target_dir / "config.json").exists():
+        why = (
+            "no target here"
+            if not (target_dir / "config.json").exists()
+            else f"no {engine.name} environment at serve.python"
+        )
+        return [Finding(category, True, f"not run: {why}; the serve stage runs it before its servers start")]
+    report = engine.check_draft(cfg, target_dir, draft_dir)
     if not report["problems"]:
-        return [Finding("vllm loader", True, f"vLLM {report['vllm_version']} loads every weight of {draft_dir}")]
-    fix = "export the draft with the names vLLM's loader takes (docs/engines.md#vllm-drafts-and-serving)"
-    return [Finding("vllm loader", False, p, fix) for p in report["problems"]]
+        return [Finding(category, True, f"{engine.name} {report['version']} loads every weight of {draft_dir}")]
+    fix = f"export the draft with the names {engine.name}'s loader takes (docs/engines.md#vllm-drafts-and-serving)"
+    return [Finding(category, False, p, fix) for p in report["problems"]]
 
 
 def print_report(findings: list[Finding]) -> None:

@@ -21,6 +21,7 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from orchestrator import engines
 from orchestrator.config import RootConfig
 from orchestrator.data import Rendered, prompt_ids, render
 from orchestrator.serving import client
@@ -237,15 +238,14 @@ class Endpoint:
         return server_command(self.cfg, ensure_target(self.cfg, progress=False), None, port)
 
     def _start(self) -> str:
-        from orchestrator.serving import sglang as sglang_engine
-
         s = self.cfg.serve
+        engine = engines.get(s.engine, engines.SERVE)
         port = client.free_port()
         command = self.command(port)
-        if s.engine == "sglang" and sglang_engine.sglang_available(s.python):
-            sglang_engine.validate_with_sglang(s.python, command)
+        engine.check_command(self.cfg, command)
         print(f"[regenerate] serving the target for data.regenerate.engine=server: {' '.join(command)}")
-        self.server = client.ServerProcess(command, port, self.log_dir / "regenerate_server.log", s.startup_timeout_s)
+        log = self.log_dir / "regenerate_server.log"
+        self.server = client.ServerProcess(command, port, log, s.startup_timeout_s, env=engine.server_env(self.cfg))
         self.server.__enter__()
         return self.server.url
 
@@ -261,3 +261,35 @@ class Endpoint:
             f"{'SGLang /generate' if r.api == 'generate' else 'OpenAI /v1/completions with return_token_ids'}, or set "
             "data.regenerate.url=null to start one with the serve stage's launcher"
         )
+
+
+def keep_regenerated(path: Path, rendered: list[Rendered]) -> None:
+    """A shard's regenerated sequences in `path` (input_ids int32[T], seq_lens and response_lens int32[n]), written
+    whole or not at all, so that a restarted extraction reads them back (`read_regenerated`) instead of generating
+    them again."""
+    import torch
+    from safetensors.torch import save_file
+
+    from orchestrator.artifacts import atomic_path
+
+    tensors = {
+        "input_ids": torch.tensor([t for r in rendered for t in r.input_ids], dtype=torch.int32),
+        "seq_lens": torch.tensor([len(r.input_ids) for r in rendered], dtype=torch.int32),
+        "response_lens": torch.tensor([sum(r.loss_mask) for r in rendered], dtype=torch.int32),
+    }
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp))
+
+
+def read_regenerated(path: Path) -> list[Rendered]:
+    """The sequences `keep_regenerated` wrote: each response's tokens are the loss tokens."""
+    import torch
+    from safetensors.torch import load_file
+
+    kept = load_file(str(path))
+    offsets = [0] + torch.cumsum(kept["seq_lens"].long(), 0).tolist()
+    rendered = []
+    for a, b, n in zip(offsets[:-1], offsets[1:], kept["response_lens"].tolist()):
+        ids = kept["input_ids"][a:b].tolist()
+        rendered.append(Rendered(ids, [0] * (len(ids) - n) + [1] * n))
+    return rendered

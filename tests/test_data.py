@@ -108,7 +108,7 @@ def test_extraction_runs_the_decoder_stack_without_the_vocabulary_head(tiny_conf
     hidden states at those layers (hidden_states[k + 1] is layer k's output) and after the final norm."""
     from orchestrator.compute import cpu
     from orchestrator.data import render
-    from orchestrator.stages.extract import _extract_chunk
+    from orchestrator.engines.hf import extract_chunk
 
     cfg = tiny_config("extract.batch_size=2", "extract.dtype=float32")
     model, tokenizer = load_target(ensure_target(cfg, progress=False))
@@ -118,7 +118,7 @@ def test_extraction_runs_the_decoder_stack_without_the_vocabulary_head(tiny_conf
     hook = model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))
     try:
         with torch.no_grad():
-            shard = _extract_chunk(model, tokenizer, chunk, [1, 4, 6], cfg, cpu())  # layers 1, 4, 6's outputs
+            shard = extract_chunk(model, tokenizer, chunk, [1, 4, 6], cfg, cpu())  # layers 1, 4, 6's outputs
     finally:
         hook.remove()
     assert head_calls == [], "extraction ran the vocabulary head"

@@ -223,7 +223,7 @@ def test_an_extraction_rank_that_fails_or_is_killed_is_named_and_the_rerun_match
     cfg = compose_config(root, *_overrides(2), "stages=[extract]", "extract.collective_timeout_min=0.25")
     faults = Path(__file__).resolve().parent / "faults"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(faults), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    for key, value in {"FAULT_TARGET": "orchestrator.stages.extract:_extract_chunk", "FAULT_RANK": "1"}.items():
+    for key, value in {"FAULT_TARGET": "orchestrator.engines.hf:extract_chunk", "FAULT_RANK": "1"}.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(StageFailed) as failed:
         run_pipeline(cfg, tmp_path / "first")

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from orchestrator import engines
 from orchestrator.artifacts import ArtifactError, atomic_path, read_json, write_json
 from orchestrator.draft import rope as rope_lib
 from orchestrator.draft.model import DraftShape, Eagle3Draft
@@ -322,7 +323,8 @@ def serving_record(serve, family: str, ids: list[int]) -> dict[str, Any]:
         "engine": serve.engine,
         "family": family,
         "sglang_version": serve.sglang_version,
-        "vllm_version": serve.vllm_version if serve.engine == "vllm" else None,
+        # the version of the engine's id rule, under its convention's name (vllm_version, sglang_version)
+        f"{engines.get(serve.engine).convention}_version": serve.engine_version,
         "id_rules": serve.id_rules,
         "eagle_aux_hidden_state_layer_ids": list(ids),
     }

@@ -23,17 +23,18 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
 
+from orchestrator import engines
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import ArtifactError, atomic_path, file_sha256, read_json, write_json, write_manifest
-from orchestrator.capture import HiddenStateCapture, base_model
 from orchestrator.compute import Compute
-from orchestrator.config import RootConfig, captured_layers, one_pass, vllm_capture_ids
-from orchestrator.data import Rendered, conversations, data_identity, prompt_ids
-from orchestrator.regenerate import Endpoint, one_pass_rendered, regenerate, sequences
-from orchestrator.targets import ensure_target, identity, load_target, load_tokenizer, template_source
+from orchestrator.config import RootConfig, captured_layers
+from orchestrator.data import Rendered, conversations, data_identity
+from orchestrator.engines import CaptureJob
+from orchestrator.regenerate import Endpoint, keep_regenerated, read_regenerated, regenerate, sequences
+from orchestrator.targets import ensure_target, identity, load_tokenizer, template_source
 
 # The train stage's record that the shards' checksums were verified (see `stages.train.verify_shards`).
 VERIFIED = ".verified.json"
@@ -88,13 +89,18 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             for split, index in todo:
                 _sequences(None, tokenizer, shards[split][index], split, index, out, cfg, endpoint)
         regenerate_s = time.time() - started
-    model = tokenizer = None
-    vllm_states: dict[tuple[str, int], list[dict[str, torch.Tensor]]] = {}
-    if todo and cfg.extract.engine == "vllm":  # vLLM computes every state in one engine run; no HF target here
-        tokenizer = load_tokenizer(target_path, cfg.target.trust_remote_code, cfg.data.chat_template)
-        vllm_states = _vllm_capture(tokenizer, shards, todo, layers, out, cfg, compute, target_path)
-    elif todo:  # a restarted extraction with every shard done, or a rank with none left, never loads the target
-        model, tokenizer = load_target(target_path, cfg.target.trust_remote_code, compute, cfg.data.chat_template)
+    capture = None
+    if todo:  # a restarted extraction with every shard done, or a rank with none left, never loads the target
+
+        def rendered(tokenizer, split: str, index: int) -> list[Rendered]:  # a shard's sequences, no model here
+            return _sequences(None, tokenizer, shards[split][index], split, index, out, cfg)
+
+        job = CaptureJob(
+            shards=shards, todo=todo, layers=layers, out=out, compute=compute, target_path=target_path,
+            sequences=rendered,
+        )  # fmt: skip
+        # HF loads the target here; vLLM computes every state of `todo` in one engine run as it opens
+        capture = engines.get(cfg.extract.engine, engines.CAPTURE).open_capture(cfg, job)
     else:
         print(f"[extract] rank {compute.rank}: all {len(mine)} of its shards are done; the target is not loaded")
     tokens_done = 0
@@ -102,13 +108,10 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     for split, index in tqdm(todo, desc=desc, unit="shard"):
         shard = _shard(out, split, index)
         begin = time.time()
-        rendered = _sequences(model, tokenizer, shards[split][index], split, index, out, cfg)
+        rendered = _sequences(capture.model, capture.tokenizer, shards[split][index], split, index, out, cfg)
         regenerate_s += time.time() - begin if cfg.data.regenerate.enabled else 0.0
         check_loss_fraction(rendered, cfg, f"{split} shard {index}", target_path)
-        if cfg.extract.engine == "vllm":
-            tensors = _assemble_vllm_chunk(rendered, vllm_states[(split, index)], cfg)
-        else:
-            tensors = _extract_chunk(model, tokenizer, rendered, layers, cfg, compute)
+        tensors = capture.shard(split, index, rendered)
         needs = sum(t.numel() * t.element_size() for t in tensors.values())  # the shard's data, without its header
         with atomic_path(shard, needs_bytes=needs) as tmp:
             save_file(tensors, str(tmp))
@@ -181,17 +184,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             "aux_layers": layers,
             "hf_capture_points": [layer_contract.hf_capture_point(k, n) for k in layers],
             # what computed the states: hf (transformers) or vLLM's extractor, at its ids for the layers and id N
-            "capture_engine": {"name": cfg.extract.engine}
-            | (
-                {
-                    "vllm_version": cfg.serve.vllm_version,
-                    "ids": vllm_capture_ids(cfg, layers),
-                    # one_pass: each response generated and its states captured in the same request
-                    "mode": "one_pass" if one_pass(cfg) else "capture",
-                }
-                if cfg.extract.engine == "vllm"
-                else {}
-            ),
+            "capture_engine": engines.get(cfg.extract.engine).capture_record(cfg, layers),
             "teacher": {
                 "kind": cfg.extract.teacher,
                 "capture_point": layer_contract.hf_teacher_capture_point(cfg.extract.teacher, n),
@@ -347,13 +340,7 @@ def _sequences(
         return sequences(convs, split, cfg, tokenizer)
     path = out / split / f"regenerated_{index:05d}.safetensors"
     if path.exists():
-        kept = load_file(str(path))
-        offsets = [0] + torch.cumsum(kept["seq_lens"].long(), 0).tolist()
-        rendered = []
-        for a, b, n in zip(offsets[:-1], offsets[1:], kept["response_lens"].tolist()):
-            ids = kept["input_ids"][a:b].tolist()
-            rendered.append(Rendered(ids, [0] * (len(ids) - n) + [1] * n))
-        return rendered
+        return read_regenerated(path)
     rendered = regenerate(
         convs,
         cfg,
@@ -364,137 +351,8 @@ def _sequences(
         endpoint=endpoint,
         desc=f"regenerate {split} shard {index}",
     )
-    _keep_regenerated(path, rendered)
+    keep_regenerated(path, rendered)
     return rendered
-
-
-def _keep_regenerated(path: Path, rendered: list[Rendered]) -> None:
-    """A shard's regenerated sequences, as `_sequences` reads them back."""
-    tensors = {
-        "input_ids": torch.tensor([t for r in rendered for t in r.input_ids], dtype=torch.int32),
-        "seq_lens": torch.tensor([len(r.input_ids) for r in rendered], dtype=torch.int32),
-        "response_lens": torch.tensor([sum(r.loss_mask) for r in rendered], dtype=torch.int32),
-    }
-    with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp))
-
-
-@torch.no_grad()
-def _vllm_capture(tokenizer, shards, todo, layers, out: Path, cfg: RootConfig, compute: Compute, target_path: Path):
-    """Every sequence of this rank's `todo` shards through vLLM's extractor in one engine run: the aux layers and
-    the last layer's output (id N, before the final norm: the teacher's source), at the ids of vLLM's rule. Returns
-    per shard, per sequence, {"aux": [T, K*H], "teacher": [T, H]} in float32, the teacher as `extract.teacher`
-    asks (post_norm: the target's final RMSNorm applied here, as HF's model applies it).
-
-    With data.regenerate.engine=one_pass, each request is the prompt alone: vLLM answers it greedily, then
-    captures the states of prompt plus answer in the same request (`include_output_tokens`). The sequences are
-    kept as a regeneration's are (`<split>/regenerated_NNNNN.safetensors`), so the shard loop reads them back."""
-    import shlex
-    import shutil
-
-    from orchestrator.serving import vllm as vllm_engine
-    from orchestrator.targets import load_head_tensors, target_config_json
-
-    ids = vllm_capture_ids(cfg, layers)  # the layers, then the last layer's output for the teacher
-    r = cfg.data.regenerate
-    answers_too = one_pass(cfg)
-    max_len = cfg.data.max_seq_len
-    if answers_too:  # the prompts only: vLLM answers each, then captures prompt plus answer, in the same request
-        prompts = [prompt_ids(tokenizer, c, max(1, max_len - 1)) for split, i in todo for c in shards[split][i]]
-    else:
-        rendered = {(split, index): _sequences(None, tokenizer, shards[split][index], split, index, out, cfg)
-                    for split, index in todo}  # fmt: skip
-        prompts = [seq.input_ids for key in rendered for seq in rendered[key]]
-    work = out / "vllm_states" / f"rank{compute.rank}"
-    if work.exists():
-        shutil.rmtree(work)
-    gpus = sum(d.type == "cuda" for d in compute.devices)
-    engine_args = vllm_engine.extract_engine_args(cfg, target_path, work, gpus)
-    command = vllm_engine.capture_command(cfg.extract.python, work / "request.json", engine_args)
-    print(f"[extract] {shlex.join(command)}")
-    report = vllm_engine.capture_states(
-        cfg.extract.python, engine_args, prompts, work, include_output_tokens=answers_too,
-        # one token past the budget, so that a response cut at max_new_tokens has a state for every token
-        max_tokens=r.max_new_tokens + 1 if answers_too else 1,
-    )  # fmt: skip
-    mode = "generated and captured in one pass" if answers_too else "captured"
-    print(f"[extract] vLLM {report['vllm_version']} {mode}: ids {ids} for {len(prompts)} sequences")
-    if answers_too:
-        answers = iter(zip(prompts, report["generated"]))
-        rendered = {}
-        for split, index in todo:
-            rendered[split, index] = [
-                one_pass_rendered(*next(answers), r.max_new_tokens, tokenizer.eos_token_id, max_len)
-                for _ in shards[split][index]
-            ]
-            _keep_regenerated(out / split / f"regenerated_{index:05d}.safetensors", rendered[split, index])
-    norm = load_head_tensors(target_path)["norm"]
-    eps = target_config_json(target_path).get("rms_norm_eps", 1e-6)
-    files = iter(report["files"])
-    states: dict[tuple[str, int], list[dict[str, torch.Tensor]]] = {}
-    for key, seqs in rendered.items():
-        states[key] = []
-        for seq in seqs:
-            captured = load_file(next(files))
-            length = len(seq.input_ids)  # one-pass: the capture may hold tokens past the response's cut
-            if captured["token_ids"][:length].tolist() != list(seq.input_ids) or len(captured["token_ids"]) < length:
-                raise ArtifactError(f"vLLM's capture of a {key[0]} sequence holds other tokens than were sent")
-            hs = captured["hidden_states"][:length].float()  # [T, K+1, H], in the order of `ids`
-            last = hs[:, -1]
-            if cfg.extract.teacher == "post_norm":
-                last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + eps) * norm
-            states[key].append({"aux": hs[:, : len(layers)].flatten(1), "teacher": last})
-    shutil.rmtree(work)
-    return states
-
-
-def _assemble_vllm_chunk(chunk, states: list[dict[str, torch.Tensor]], cfg: RootConfig) -> dict[str, torch.Tensor]:
-    """One shard in the project's format (as `_extract_chunk` writes it) from vLLM's captured states."""
-    dtype = DTYPES[cfg.extract.dtype]
-    return {
-        "input_ids": torch.cat([torch.tensor(r.input_ids) for r in chunk]).to(torch.int32),
-        "loss_mask": torch.cat([torch.tensor(r.loss_mask, dtype=torch.uint8) for r in chunk]),
-        "seq_lens": torch.tensor([len(r.input_ids) for r in chunk], dtype=torch.int32),
-        "aux_hidden_states": torch.cat([s["aux"].to(dtype) for s in states]).contiguous(),
-        "teacher_hidden_state": torch.cat([s["teacher"].to(dtype) for s in states]).contiguous(),
-    }
-
-
-def _extract_chunk(
-    model, tokenizer, chunk, layers: list[int], cfg: RootConfig, compute: Compute
-) -> dict[str, torch.Tensor]:
-    dtype = DTYPES[cfg.extract.dtype]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids_out, mask_out, aux_out, teacher_out, lens = [], [], [], [], []
-    decoder = base_model(model)
-    with HiddenStateCapture(model, layers, cfg.extract.teacher) as capture:
-        for i in range(0, len(chunk), cfg.extract.batch_size):
-            batch = chunk[i : i + cfg.extract.batch_size]
-            width = max(len(r.input_ids) for r in batch)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            attn = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, r in enumerate(batch):
-                ids[row, : len(r.input_ids)] = torch.tensor(r.input_ids)
-                attn[row, : len(r.input_ids)] = 1
-            # The decoder stack alone: the head's logits, [batch, length, vocab] (163,840 wide at Kimi's
-            # vocabulary), are not stored, so they are not computed; the teacher's are, from its state, in training.
-            decoder(input_ids=ids.to(compute.device), attention_mask=attn.to(compute.device), use_cache=False)
-            aux, teacher = capture.aux().cpu(), capture.teacher().cpu()
-            for row, r in enumerate(batch):
-                length = len(r.input_ids)
-                ids_out.append(ids[row, :length])
-                mask_out.append(torch.tensor(r.loss_mask, dtype=torch.uint8))
-                aux_out.append(aux[row, :length].to(dtype))
-                teacher_out.append(teacher[row, :length].to(dtype))
-                lens.append(length)
-            capture.clear()
-    return {
-        "input_ids": torch.cat(ids_out).to(torch.int32),
-        "loss_mask": torch.cat(mask_out),
-        "seq_lens": torch.tensor(lens, dtype=torch.int32),
-        "aux_hidden_states": torch.cat(aux_out).contiguous(),
-        "teacher_hidden_state": torch.cat(teacher_out).contiguous(),
-    }
 
 
 def load_manifest_checked(folder: Path, cfg: RootConfig) -> dict[str, Any]:

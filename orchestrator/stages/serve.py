@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from orchestrator import engines
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import read_json, write_json, write_manifest
 from orchestrator.compute import Compute, resolve_precision
@@ -21,7 +22,6 @@ from orchestrator.data import conversations, prompt_ids
 from orchestrator.draft import export as draft_export
 from orchestrator.serving import client
 from orchestrator.serving import sglang as sglang_engine
-from orchestrator.serving import vllm as vllm_engine
 from orchestrator.serving.launch import server_command
 from orchestrator.targets import load_tokenizer, target_config_json
 
@@ -46,7 +46,7 @@ def served_draft_dir(cfg: RootConfig, plan) -> Path:
     if deliberate:
         layers = list(s.layers)
     else:  # what the export captures where it was meant to be served
-        version = exported.get("vllm_version") if convention == "vllm" else exported.get("sglang_version")
+        version = exported.get(f"{convention}_version")  # draft_export.serving_record
         layers = layer_contract.from_engine_ids(
             convention,
             conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
@@ -89,31 +89,26 @@ def run_server(
     cfg: RootConfig, mode: str, target: Path, draft: Path | None, prompts: list[list[int]], out: Path, compute: Compute
 ) -> dict[str, Any]:
     s = cfg.serve
+    engine = engines.get(s.engine, engines.SERVE)
     port = client.free_port()
     command = server_command(cfg, target, draft, port, compute)
-    if s.engine == "sglang" and sglang_engine.sglang_available(s.python):
-        sglang_engine.validate_with_sglang(s.python, command)
+    engine.check_command(cfg, command)
     log = out / f"{mode}_server.log"
     print(f"[serve] {mode}: {' '.join(command)}")
-    vllm = s.engine == "vllm"
-    env = vllm_engine.server_env(cfg) if vllm else None
-    with client.ServerProcess(command, port, log, s.startup_timeout_s, env=env) as server:
-        request = vllm_engine.complete if vllm else client.generate
-        request(server, prompts[0], min(8, s.max_new_tokens), s.request_timeout_s)  # warm-up
-        if not vllm:
-            client.flush_cache(server)
-        runs = [_median_pass(server, prompts, c, s, exact_arithmetic(cfg)) for c in s.concurrency]
-        info = vllm_engine.server_info(server) if vllm else client.server_info(server)
+    with client.ServerProcess(command, port, log, s.startup_timeout_s, env=engine.server_env(cfg)) as server:
+        engine.request(server, prompts[0], min(8, s.max_new_tokens), s.request_timeout_s)  # warm-up
+        engine.reset(server)
+        runs = [_median_pass(server, prompts, c, cfg, exact_arithmetic(cfg)) for c in s.concurrency]
+        info = engine.server_info(server)
     return {"command": command, "log": str(log), "runs": runs, "server_info": info}
 
 
 def exact_arithmetic(cfg: RootConfig) -> bool:
-    """Whether greedy outputs must agree token for token: the reference engine in float32 (on the CPU: one
-    request at a time, the same kernels for a verify pass and a decode step). In bf16, a 4-token verify pass and
-    1-token decode steps round differently, and an engine that batches (SGLang, vLLM) is not bitwise
-    reproducible: there the rate of differing tokens is held to `serve.greedy_token_tolerance`."""
-    s = cfg.serve
-    return s.engine == "reference" and resolve_precision(s.precision, s.resources.gpus_per_node) == "float32"
+    """Whether greedy outputs must agree token for token: the engine says (the reference engine in float32, on
+    the CPU: one request at a time, the same kernels for a verify pass and a decode step). In bf16, a 4-token
+    verify pass and 1-token decode steps round differently, and an engine that batches (SGLang, vLLM) is not
+    bitwise reproducible: there the rate of differing tokens is held to `serve.greedy_token_tolerance`."""
+    return engines.get(cfg.serve.engine, engines.SERVE).exact(cfg)
 
 
 def differing_token_rate(a: list[list[int]], b: list[list[int]]) -> float:
@@ -129,21 +124,13 @@ def differing_token_rate(a: list[list[int]], b: list[list[int]]) -> float:
     return differing / total if total else 0.0
 
 
-def _median_pass(server, prompts: list[list[int]], concurrency: int, s, exact: bool) -> dict[str, Any]:
+def _median_pass(server, prompts: list[list[int]], concurrency: int, cfg: RootConfig, exact: bool) -> dict[str, Any]:
     """`serve.repeats` passes over the prompt set; the median pass by tok/s, with every pass's tok/s and the rate
-    of tokens that differ from the first pass."""
-    if s.engine == "vllm":  # its own API, and its own counters for what the draft achieved
-
-        def one_pass():
-            return vllm_engine.benchmark(
-                server, prompts, s.max_new_tokens, concurrency, s.request_timeout_s, s.num_steps
-            )
-    else:
-
-        def one_pass():
-            return client.benchmark(server, prompts, s.max_new_tokens, concurrency, s.request_timeout_s)
-
-    passes = [one_pass() for _ in range(s.repeats)]
+    of tokens that differ from the first pass. Each pass is the engine's own benchmark: its API, and where it
+    counts them (vLLM), its own counters for what the draft achieved."""
+    s = cfg.serve
+    engine = engines.get(s.engine, engines.SERVE)
+    passes = [engine.benchmark(server, prompts, cfg, concurrency) for _ in range(s.repeats)]
     between = max(differing_token_rate(passes[0]["output_ids"], p["output_ids"]) for p in passes)
     if between and exact:
         raise server.fail(
@@ -169,16 +156,15 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         flags.append(f"serve: guard off, serving anyway a draft the guard refuses: {exc}")
         ids = read_json(draft / "config.json", "draft config")["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     tracker.tags({"serve.eagle_aux_hidden_state_layer_ids": json.dumps(ids)})  # the layers' param is aux_layers
-    loaded = None
-    if s.engine == "vllm":  # vLLM's own loader on the draft: nothing it reads and drops, nothing it leaves unloaded
-        loaded = vllm_engine.check_draft_loads(cfg, target, draft)
-        if loaded["problems"]:
-            raise sglang_engine.ServingRefused(
-                f"vLLM {loaded['vllm_version']} would serve the draft {draft} ({loaded['model_class']}) without all "
-                "of its weights:\n  - "
-                + "\n  - ".join(loaded["problems"])
-                + "\nThe export's weight names are not the ones vLLM's loader takes (docs/engines.md#vllm)"
-            )
+    # the engine's own loader on the draft, where it has one (vLLM): nothing it reads and drops, nothing unloaded
+    loaded = engines.get(s.engine, engines.SERVE).check_draft(cfg, target, draft)
+    if loaded is not None and loaded["problems"]:
+        raise sglang_engine.ServingRefused(
+            f"{s.engine} {loaded['version']} would serve the draft {draft} ({loaded['model_class']}) "
+            "without all of its weights:\n  - "
+            + "\n  - ".join(loaded["problems"])
+            + f"\nThe export's weight names are not the ones {s.engine}'s loader takes (docs/engines.md)"
+        )
 
     tokenizer = load_tokenizer(target, cfg.target.trust_remote_code, cfg.data.chat_template)
     _, val_convs = conversations(cfg.data, cfg.seed)
@@ -255,7 +241,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         "compute": compute.describe(),
     }
     if loaded is not None:
-        result["vllm_load_check"] = {k: loaded[k] for k in ("model_class", "unused", "missing")}
+        result[f"{s.engine}_load_check"] = {k: loaded[k] for k in ("model_class", "unused", "missing")}
     if histogram:
         reached = [sum(histogram[j:]) for j in range(len(histogram))]
         result["accept_rate_by_position"] = [

@@ -408,7 +408,7 @@ def test_a_task_killed_mid_extraction_ends_the_job_and_the_rerun_matches_an_unin
     already done as they are, and every shard equals the uninterrupted local extraction's, bit for bit."""
     faults = Path(__file__).resolve().parents[1] / "faults"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(faults), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    faulty = {"FAULT_TARGET": "orchestrator.stages.extract:_extract_chunk", "FAULT_RANK": "1", "FAULT_KIND": "kill"}
+    faulty = {"FAULT_TARGET": "orchestrator.engines.hf:extract_chunk", "FAULT_RANK": "1", "FAULT_KIND": "kill"}
     for key, value in faulty.items():
         monkeypatch.setenv(key, value)
     args = (

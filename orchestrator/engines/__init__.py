@@ -1,0 +1,177 @@
+"""The engines: one module each in this package, one small interface (`Engine`), found by name.
+
+    engine      module               serves (serve.engine)    captures (extract.engine)
+    hf          engines/hf.py        -                        forward hooks on the transformers model
+    vllm        engines/vllm.py      its OpenAI server        its extract_hidden_states extractor
+    sglang      engines/sglang.py    its HTTP server          - (stock SGLang returns the last layer only)
+    reference   engines/reference.py the project's server     -
+
+An engine is what the stages ask, never a name they compare:
+    launch       `launch_command`, `server_env`, `check_command` (its own parser), `check_config`
+    id rule      `version` (the version whose rule applies) and `id_rule(family, version)`: which target state
+                 each id of a draft config or capture request names (the rules are orchestrator/layers.py's)
+    draft check  `check_draft`: the engine's own loader on an exported draft, before any server starts
+    capture      `check_capture`, `capture_record`, `open_capture`: the target's states for the extract stage
+    statistics   `request`, `benchmark` (tok/s and the accept length as the engine counts it), `server_info`,
+                 `exact` (whether greedy outputs with and without the draft must agree token for token)
+
+Adding an engine is one module here that sets `ENGINE`, and, for serving, one file conf/serve/<name>.yaml.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # the engine modules import these; the registry itself stays light
+    import torch
+
+    from orchestrator.compute import Compute
+    from orchestrator.config import RootConfig, ServeConfig
+    from orchestrator.layers import IdRule
+    from orchestrator.serving.client import ServerProcess
+
+SERVE = "serve"
+CAPTURE = "capture"
+
+
+class EngineError(ValueError):
+    """An engine name nobody registered, or a role the engine does not play."""
+
+
+class Capture(Protocol):
+    """An extract task's open capture: the tokenizer that renders its sequences, the target model where it is
+    loaded in this process (HF; regeneration uses it), and each shard's tensors in the project's format."""
+
+    tokenizer: Any
+    model: Any
+
+    def shard(self, split: str, index: int, rendered: list) -> dict[str, torch.Tensor]: ...
+
+
+class Engine:
+    """The interface. A method an engine does not implement raises EngineError naming it and the role."""
+
+    name: str = ""
+    roles: tuple[str, ...] = ()
+    # Whose id convention a draft config for this engine is written in: two engines of one convention take the
+    # same exported draft, of two conventions they do not (the reference engine reads SGLang's).
+    convention: str | None = None
+    # The script that builds the engine's own environment (serve.python / extract.python); None: the project's.
+    env_script: str | None = None
+    # Whether it loads a quantized checkpoint as shipped (HF transformers cannot: its experts would stay random).
+    loads_quantized: bool = False
+    # Whether its capture can answer each prompt and capture prompt plus answer in one request (one_pass).
+    generates: bool = False
+    # Whether `check_draft` asks the engine's own loader (else it has nothing to ask and returns None).
+    checks_drafts: bool = False
+
+    def _missing(self, what: str) -> EngineError:
+        return EngineError(f"engine {self.name!r} has no {what} (roles: {', '.join(self.roles) or 'none'})")
+
+    # ------------------------------------------------------------------------------------- the id rule
+    def version(self, serve: ServeConfig) -> str | None:
+        """The engine version whose id rule applies, from the serve.* keys."""
+        return None
+
+    def id_rule(self, family: str, version: str | None) -> IdRule:
+        raise self._missing("layer-id rule")
+
+    # ---------------------------------------------------------------------------------------- launch
+    def check_config(self, cfg: RootConfig) -> None:
+        """The serve.* keys as this engine takes them; raises ConfigError naming the key."""
+
+    def launch_command(
+        self, cfg: RootConfig, target: Path, draft: Path | None, port: int, compute: Compute
+    ) -> list[str]:
+        raise self._missing("server")
+
+    def server_env(self, cfg: RootConfig) -> dict[str, str] | None:
+        return None
+
+    def check_command(self, cfg: RootConfig, command: list[str]) -> None:
+        """The launch command through the engine's own argument parser, where its environment is here."""
+
+    def check_endpoint(self, cfg: RootConfig) -> None:
+        """data.regenerate as this engine's server answers it (data.regenerate.engine=server, url=null: the extract
+        job starts it); raises ConfigError naming the key."""
+
+    # ------------------------------------------------------------------------------------ draft check
+    def check_draft(self, cfg: RootConfig, target: Path, draft: Path) -> dict[str, Any] | None:
+        """The engine's own loader on the draft: a report whose `problems` list what it would serve wrongly, or
+        None where the engine has no loader to ask here."""
+        return None
+
+    # ------------------------------------------------------------------------------- serving statistics
+    def request(self, server: ServerProcess, prompt: list[int], max_new_tokens: int, timeout: float) -> dict:
+        raise self._missing("request API")
+
+    def reset(self, server: ServerProcess) -> None:
+        """Between the warm-up and the measured passes: drop what the warm-up cached."""
+
+    def benchmark(self, server: ServerProcess, prompts: list[list[int]], cfg: RootConfig, concurrency: int) -> dict:
+        """One pass over the prompt set: tok/s, output ids, and the accept length as the engine counts it."""
+        raise self._missing("benchmark")
+
+    def server_info(self, server: ServerProcess) -> dict[str, Any]:
+        return {}
+
+    def exact(self, cfg: RootConfig) -> bool:
+        """Whether greedy outputs with and without speculation must agree token for token."""
+        return False
+
+    # ------------------------------------------------------------------------------------------ capture
+    def check_capture(self, cfg: RootConfig) -> None:
+        """extract.* as this engine captures, before any job; raises ConfigError naming the key."""
+        raise self._missing("capture")
+
+    def capture_key(self, cfg: RootConfig, extract: dict[str, Any]) -> dict[str, Any]:
+        """The extract stage's cache-key subtree, with what this engine's capture depends on."""
+        return extract
+
+    def capture_record(self, cfg: RootConfig, layers: list[int]) -> dict[str, Any]:
+        """The manifest's `capture_engine`: what computed the states."""
+        return {"name": self.name}
+
+    def capture_ids(self, cfg: RootConfig, layers: list[int]) -> dict[str, Any]:
+        """The plan's extract row: the ids the capture uses, in its own convention."""
+        raise self._missing("capture")
+
+    def open_capture(self, cfg: RootConfig, job: CaptureJob) -> Capture:
+        raise self._missing("capture")
+
+    def print_capture(self, cfg: RootConfig, plan) -> None:
+        """The dry run: what each extract task will run, checked where the engine can check it."""
+
+
+class CaptureJob:
+    """What an extract task hands its capture engine: its shards, the ones left to do, the canonical layers,
+    where it writes, its devices, the target, and the stage's way of rendering or regenerating a shard."""
+
+    def __init__(self, *, shards, todo, layers, out: Path, compute, target_path: Path, sequences):
+        self.shards, self.todo, self.layers, self.out = shards, todo, layers, out
+        self.compute, self.target_path, self.sequences = compute, target_path, sequences
+
+
+@cache
+def _modules() -> tuple[str, ...]:
+    return tuple(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+
+
+@cache
+def get(name: str, role: str | None = None) -> Engine:
+    """The engine called `name` (its module's name); with `role`, one that plays it, else EngineError."""
+    if name not in _modules():
+        raise EngineError(f"unknown engine {name!r}; expected one of {names(role)}")
+    engine = importlib.import_module(f"{__name__}.{name}").ENGINE
+    if role is not None and role not in engine.roles:
+        raise EngineError(f"engine {name!r} does not {role}; the engines that do: {names(role)}")
+    return engine
+
+
+def names(role: str | None = None) -> tuple[str, ...]:
+    """The registered engines (that play `role`), in name order."""
+    return tuple(n for n in _modules() if role is None or role in get(n).roles)

@@ -1,0 +1,107 @@
+"""HF transformers: captures the target's states in this project's environment, by forward hooks on the decoder
+(orchestrator/capture.py) at the layer contract's capture points, spread over one task's devices
+(`targets.load_target`). It serves nothing: the serving engines are vLLM, SGLang and the reference engine."""
+
+from __future__ import annotations
+
+from orchestrator import layers as layer_contract
+from orchestrator.engines import CAPTURE, CaptureJob, Engine
+from orchestrator.layers import LayerContractError
+
+
+class HF(Engine):
+    name = "hf"
+    roles = (CAPTURE,)
+
+    def id_rule(self, family, version):
+        raise LayerContractError("HF capture uses hook points, not ids: see layers.hf_capture_point")
+
+    def check_capture(self, cfg):
+        """Nothing beyond the layer contract, which config.validate checks for every engine."""
+
+    def capture_key(self, cfg, extract):
+        # the keys of extractions made before engines were chosen stay the same
+        extract.pop("engine")
+        extract.pop("vllm_args")
+        return extract
+
+    def capture_ids(self, cfg, layers):
+        n = cfg.target.num_hidden_layers
+        indices = []
+        for k in layers:
+            try:
+                indices.append(layer_contract.hf_hidden_states_index(k, n))
+            except LayerContractError:
+                indices.append(None)  # the last layer's raw output is only reachable by a hook
+        return {
+            "convention": "hf",
+            "capture_points": [layer_contract.hf_capture_point(k, n) for k in layers],
+            "hidden_states_indices": indices,
+            "teacher": {
+                "kind": cfg.extract.teacher,
+                "capture_point": layer_contract.hf_teacher_capture_point(cfg.extract.teacher, n),
+            },
+        }
+
+    def open_capture(self, cfg, job: CaptureJob):
+        from orchestrator.targets import load_target
+
+        model, tokenizer = load_target(
+            job.target_path, cfg.target.trust_remote_code, job.compute, cfg.data.chat_template
+        )
+        return HFCapture(model, tokenizer, job.layers, cfg, job.compute)
+
+
+class HFCapture:
+    """The target loaded on the task's devices; each shard's states by one forward of the decoder per batch."""
+
+    def __init__(self, model, tokenizer, layers, cfg, compute):
+        self.model, self.tokenizer, self.layers, self.cfg, self.compute = model, tokenizer, layers, cfg, compute
+
+    def shard(self, split, index, rendered):
+        return extract_chunk(self.model, self.tokenizer, rendered, self.layers, self.cfg, self.compute)
+
+
+def extract_chunk(model, tokenizer, chunk, layers: list[int], cfg, compute) -> dict:
+    """A shard's tensors in the project's format (orchestrator/stages/extract.py), `extract.batch_size` sequences
+    per forward, right-padded."""
+    import torch
+
+    from orchestrator.capture import HiddenStateCapture, base_model
+    from orchestrator.stages.extract import DTYPES
+
+    dtype = DTYPES[cfg.extract.dtype]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids_out, mask_out, aux_out, teacher_out, lens = [], [], [], [], []
+    decoder = base_model(model)
+    with torch.no_grad(), HiddenStateCapture(model, layers, cfg.extract.teacher) as capture:
+        for i in range(0, len(chunk), cfg.extract.batch_size):
+            batch = chunk[i : i + cfg.extract.batch_size]
+            width = max(len(r.input_ids) for r in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            attn = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, r in enumerate(batch):
+                ids[row, : len(r.input_ids)] = torch.tensor(r.input_ids)
+                attn[row, : len(r.input_ids)] = 1
+            # The decoder stack alone: the head's logits, [batch, length, vocab] (163,840 wide at Kimi's
+            # vocabulary), are not stored, so they are not computed; the teacher's are, from its state, in training.
+            decoder(input_ids=ids.to(compute.device), attention_mask=attn.to(compute.device), use_cache=False)
+            aux, teacher = capture.aux().cpu(), capture.teacher().cpu()
+            for row, r in enumerate(batch):
+                length = len(r.input_ids)
+                ids_out.append(ids[row, :length])
+                mask_out.append(torch.tensor(r.loss_mask, dtype=torch.uint8))
+                aux_out.append(aux[row, :length].to(dtype))
+                teacher_out.append(teacher[row, :length].to(dtype))
+                lens.append(length)
+            capture.clear()
+    return {
+        "input_ids": torch.cat(ids_out).to(torch.int32),
+        "loss_mask": torch.cat(mask_out),
+        "seq_lens": torch.tensor(lens, dtype=torch.int32),
+        "aux_hidden_states": torch.cat(aux_out).contiguous(),
+        "teacher_hidden_state": torch.cat(teacher_out).contiguous(),
+    }
+
+
+ENGINE = HF()

