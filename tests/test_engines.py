@@ -1,0 +1,105 @@
+"""The engine registry (orchestrator/engines): every engine behind one interface, found by name, and a new engine
+added as one module and one YAML file, with no stage edited."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import textwrap
+
+import pytest
+
+from orchestrator import conf_dir, engines
+from orchestrator import layers as layer_contract
+from orchestrator.config import ConfigError
+from orchestrator.pipeline import run_pipeline, stage_layer_ids
+from orchestrator.serving.launch import server_command
+
+
+def test_the_registry_finds_each_engine_by_its_module_and_role():
+    assert engines.names(engines.SERVE) == ("reference", "sglang", "vllm")
+    assert engines.names(engines.CAPTURE) == ("hf", "vllm")
+    assert {name: engines.get(name).name for name in engines.names()} == {n: n for n in engines.names()}
+    with pytest.raises(engines.EngineError, match=r"unknown engine 'tensorrt'; expected one of \("):
+        engines.get("tensorrt")
+    with pytest.raises(engines.EngineError, match=r"engine 'hf' does not serve; the engines that do: \('reference'"):
+        engines.get("hf", engines.SERVE)
+    with pytest.raises(engines.EngineError, match="engine 'sglang' has no capture"):
+        engines.get("sglang").open_capture(None, None)
+
+
+def test_the_config_refuses_an_engine_for_a_role_it_does_not_play(tiny_config):
+    with pytest.raises(ConfigError, match=r"serve.engine='hf': expected one of \('reference', 'sglang', 'vllm'\)"):
+        tiny_config("serve.engine=hf")
+    with pytest.raises(ConfigError, match=r"extract.engine='sglang': expected one of \('hf', 'vllm'\)"):
+        tiny_config("extract.engine=sglang")
+    with pytest.raises(ConfigError, match="regenerate.engine=one_pass with extract.engine=hf.*extract.engine=vllm"):
+        tiny_config("data.regenerate.engine=one_pass")
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3", "kimi_k25"])
+def test_each_engine_reads_its_own_convention_and_the_reference_engine_reads_sglangs(family):
+    """The ids a draft config carries, per engine: SGLang's and the reference engine's are one convention (one
+    export serves on both), vLLM's another (a draft exported for SGLang would feed vLLM other layers)."""
+    layers, n = [1, 3, 5], 8
+    ids = {e: layer_contract.to_engine_ids(e, layers, n, family, "0.32.0" if e == "vllm" else "0.5.23")
+           for e in engines.names(engines.SERVE)}  # fmt: skip
+    assert ids["reference"] == ids["sglang"]
+    assert layer_contract.id_convention("reference") == layer_contract.id_convention("sglang") == "sglang"
+    assert layer_contract.id_convention("vllm") == "vllm"
+    assert ids["vllm"] == [2, 4, 6]  # vLLM's id k: the state entering layer k, i.e. layer k-1's output
+    assert layer_contract.from_engine_ids("vllm", ids["sglang"], n, family, "0.32.0") != layers
+
+
+ECHO = """\
+    from orchestrator.engines.reference import Reference
+
+
+    class Echo(Reference):
+        \"\"\"The reference engine under another name, with its own id convention's name and a flag of its own.\"\"\"
+
+        name = "echo"
+
+        def launch_command(self, cfg, target, draft, port, compute):
+            return [*super().launch_command(cfg, target, draft, port, compute), "--echo"]
+
+
+    ENGINE = Echo()
+"""
+
+
+@pytest.fixture
+def echo_engine(tmp_path, monkeypatch):
+    """An engine added as the guide says: one module (here in a folder on the engines package's path) and one YAML
+    file (conf/serve/echo.yaml, here in a folder on Hydra's search path)."""
+    package = tmp_path / "engines"
+    package.mkdir()
+    (package / "echo.py").write_text(textwrap.dedent(ECHO))
+    monkeypatch.setattr(engines, "__path__", [*engines.__path__, str(package)])
+    engines._modules.cache_clear()
+    engines.get.cache_clear()
+    search = tmp_path / "conf"
+    (search / "serve").mkdir(parents=True)
+    yaml = (conf_dir() / "serve" / "reference.yaml").read_text().replace("engine: reference", "engine: echo")
+    (search / "serve" / "echo.yaml").write_text(yaml)
+    yield [f"hydra.searchpath=[file://{search}]", "serve=echo"]
+    engines._modules.cache_clear()
+    engines.get.cache_clear()
+    sys.modules.pop("orchestrator.engines.echo", None)
+
+
+def test_an_engine_added_as_one_module_and_one_yaml_is_planned_and_launched(echo_engine, tiny_config, tmp_path):
+    assert "echo" in engines.names(engines.SERVE)
+    cfg = tiny_config(*echo_engine, "dry_run=true")
+    assert cfg.serve.engine == "echo" and cfg.serve.id_rules == "sglang 0.5.23"
+    command = server_command(cfg, tmp_path / "target", None, 1234)
+    assert command[-1] == "--echo" and "orchestrator.serving.reference" in command
+    serve = stage_layer_ids(cfg, "serve")
+    assert serve["convention"].startswith("echo (sglang 0.5.23 rules")
+    assert serve["captures_canonical"] == list(cfg.aux_layers)
+    run_pipeline(cfg, tmp_path / "run")  # a dry run: the plan, every stage's ids in its own convention
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    planned = {s["stage"]: s["layer_ids"] for s in plan["stages"]}
+    assert planned["serve"] == serve and planned["extract"]["convention"] == "hf"
+    shutil.rmtree(tmp_path / "run")
