@@ -26,7 +26,6 @@ from orchestrator.config import ConfigError
 from orchestrator.pipeline import make_plan, run_pipeline
 from orchestrator.preflight import PreflightError, node_limit_findings
 from orchestrator.runner import StageFailed
-from orchestrator.stages import extract as extract_stage
 from orchestrator.stages import train as train_stage
 from orchestrator.stages.serve import differing_token_rate, exact_arithmetic
 from orchestrator.targets import ensure_target, load_target
@@ -131,7 +130,8 @@ def test_an_extraction_with_no_shard_left_does_not_load_the_target(extraction, t
     before = json.loads((folder / "manifest.json").read_text())
     (folder / "manifest.json").unlink()
     loads = []
-    monkeypatch.setattr(extract_stage, "load_target", lambda *a, **k: loads.append(a) or load_target(*a, **k))
+    # the HF engine's capture loads it (orchestrator.engines.hf, from orchestrator.targets when it opens)
+    monkeypatch.setattr("orchestrator.targets.load_target", lambda *a, **k: loads.append(a) or load_target(*a, **k))
     summary = run_pipeline(cfg, tmp_path / "again")
     assert loads == [] and summary["stages"]["extract"]["tokens_extracted_now"] == 0
     after = json.loads((folder / "manifest.json").read_text())
