@@ -90,7 +90,7 @@ class RegenerateConfig:
     enabled: bool = MISSING
     # hf: HF `generate` in the extract job; server: a serving endpoint (orchestrator/regenerate.py); one_pass:
     # with extract.engine=vllm, vLLM generates the response and captures the states of prompt plus response in
-    # the same request (orchestrator/stages/extract.py, `_vllm_capture`).
+    # the same request (orchestrator/engines/vllm.py, `capture_all`).
     engine: str = MISSING
     max_new_tokens: int = MISSING
     # 0: greedy, what the serve stage benchmarks; > 0 samples (seeded).

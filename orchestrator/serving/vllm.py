@@ -162,10 +162,11 @@ def extract_engine_args(cfg: RootConfig, target_path: Path | str, out: Path | st
     """An extract.engine=vllm task's engine arguments: the extraction's layers and the last layer's output at
     vLLM's ids, in the precision the task computes in, tensor-parallel over the task's `gpus`, and
     `extract.vllm_args` last."""
-    from orchestrator.config import captured_layers, vllm_capture_ids
+    from orchestrator.config import captured_layers
+    from orchestrator.engines.vllm import capture_ids
 
     return capture_engine_args(
-        target_path, vllm_capture_ids(cfg, captured_layers(cfg)), out,
+        target_path, capture_ids(cfg, captured_layers(cfg)), out,
         dtype=resolve_precision(cfg.extract.precision, gpus), max_model_len=cfg.data.max_seq_len + 8,
         tensor_parallel_size=max(1, gpus), trust_remote_code=cfg.target.trust_remote_code, gpus=gpus > 0,
         extra=tuple(cfg.extract.vllm_args),
