@@ -5,22 +5,29 @@ Kimi-K2.5 (docs/kimi_k25.md#the-target) is `KimiK25ForConditionalGeneration`: it
 `model_type: kimi_k25`, the DeepSeek-V3 text model's config under `text_config` (next to `vision_config`), and
 its weights name the text model `language_model.*` (`language_model.model.layers.N...`,
 `language_model.model.embed_tokens.weight`, `language_model.lm_head.weight`), beside `vision_tower.*` and
-`mm_projector.*`. EAGLE-3 drafts only ever see text, so a wrapper target is loaded as its text model, built
-from `text_config` with transformers' own class for that architecture, its weights read from the
-`language_model.` prefix, and held under the wrapper's attribute name, so capture finds the decoder where it
-finds it in the real remote-code model (`model.language_model.model`).
+`mm_projector.*`. Its routed experts are stored one tensor per expert and projection
+(`language_model.model.layers.N.mlp.experts.<e>.{gate,up,down}_proj...`), as DeepSeek-V3's are; transformers 5
+holds them fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`) and converts between the two
+on load and save (its conversion mapping for deepseek_v3). EAGLE-3 drafts only ever see text, so a wrapper
+target is loaded as its text model, built from `text_config` with transformers' own class for that architecture,
+its weights read from the `language_model.` prefix (the vision tower's are left unread), and held under the
+wrapper's attribute name, so capture finds the decoder where it finds it in the real remote-code model
+(`model.language_model.model`).
 
-The tiny Kimi target (`target=tiny_kimi_k25`) is written in this layout by the tiny builder and loaded by this
-same code. What a real Kimi-K2.5 checkpoint needs beyond it, none of which the tiny one exercises:
+The tiny Kimi target (`target=tiny_kimi_k25`, orchestrator/tiny/kimi_k25.py) is written in this layout by the
+tiny builder, with Kimi's router keys, MLA dims and a small stand-in vision tower, so that both this code and
+vLLM's `KimiK25ForConditionalGeneration` load it. What a real Kimi-K2.5 checkpoint needs beyond it, none of which
+the tiny one exercises:
   * its tokenizer is remote code (tiktoken): `target.trust_remote_code: true` (conf/target/kimi_k25.yaml);
     the text model itself needs no remote code, transformers has DeepSeek-V3;
   * its routed experts are INT4 (`quantization_config`, compressed-tensors): HF cannot load them into
     `DeepseekV3ForCausalLM` as plain weights, so `load_text_model` refuses a quantized wrapper rather than leave
-    those experts randomly initialised; dequantise the checkpoint first, or capture through SGLang;
+    those experts randomly initialised; dequantise the checkpoint first, or capture through vLLM
+    (`extract.engine=vllm`, which loads the checkpoint as shipped);
   * its size: ~2 TB dequantised to bf16, more than one 8-GPU node holds (8 x 141 GB on H200s), while
     `targets.load_target` spreads a target only over one task's GPUs (device_map). The dry run refuses such a
-    layout with the numbers (`preflight.memory_findings`). Serving it INT4 is SGLang's job
-    (`data.regenerate.engine=server` regenerates through it); capturing its states through SGLang is not built.
+    layout with the numbers (`preflight.memory_findings`); `+experiment=kimi_eagle3_vllm` captures it INT4 in
+    vLLM instead (docs/kimi_k25.md#capturing-the-states-in-vllm-experimentkimi_eagle3_vllm).
 """
 
 from __future__ import annotations
@@ -69,15 +76,21 @@ def read_config(path: Path) -> dict[str, Any]:
 
 
 def wrapper_config(wrapper: Wrapper, text_config: dict[str, Any], **top_level: Any) -> dict[str, Any]:
-    """The wrapper's config.json for a text model config: architecture, model type and `text_config` (the tiny
-    builder writes no `vision_config`: it has no vision tower)."""
+    """The wrapper's config.json for a text model config: architecture, model type, `top_level` (the vision
+    tower's `vision_config`, token ids, ...) and `text_config`."""
     text = {**text_config, "architectures": [wrapper.text_architecture]}
     return {"architectures": [wrapper.architecture], "model_type": wrapper.model_type, **top_level, "text_config": text}
 
 
-def wrapped_state_dict(wrapper: Wrapper, text_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The text model's weights under the names the wrapper checkpoint gives them."""
-    return {wrapper.prefix + name: tensor.contiguous() for name, tensor in text_state.items()}
+def wrapped_state_dict(wrapper: Wrapper, text_model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights of a text model built from its config under the names the wrapper checkpoint gives them: as
+    transformers' own `save_pretrained` names them (its load-time conversion reversed: one tensor per routed
+    expert and projection), under the wrapper's prefix. (A model `load_text_model` loaded reverses to these names
+    by itself: its conversions include the prefix it was loaded from.)"""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = revert_weight_conversion(text_model, text_model.state_dict())
+    return {wrapper.prefix + name: tensor.contiguous() for name, tensor in state.items()}
 
 
 class TextOnly(nn.Module):

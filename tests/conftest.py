@@ -97,6 +97,40 @@ def fast_cache(tiny_config, tmp_path_factory):
     return ensure
 
 
+# The tiny Kimi-K2.5 (+experiment=tiny_kimi_eagle3's target) shrunk to build in seconds: the text model keeps MLA
+# with Kimi's latent dims (kv_lora_rank 512, qk_rope_head_dim 64), MoE with Kimi's router, and the YaRN rope.
+TINY_KIMI_MODEL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "q_lora_rank": 32,
+    "vocab_size": 512,
+}
+TINY_KIMI_TRAIN = {
+    "steps": 5,
+    "seq_len": 64,
+    "batch_size": 2,
+    "warmup_steps": 2,
+    "max_files": 16,
+    "tokenizer_vocab_size": 384,
+    "tokenizer_max_texts": 2000,
+    "eval_sequences": 4,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_kimi_dir(tiny_config, tmp_path_factory) -> Path:
+    """The small tiny Kimi (TINY_KIMI_MODEL, TINY_KIMI_TRAIN), built once per session: the Kimi-K2.5 checkpoint
+    layout that HF (test_tiny_kimi.py) and vLLM (test_vllm.py) both load."""
+    from orchestrator.tiny import build_tiny_target
+
+    tiny = tiny_config(experiment="tiny_kimi_eagle3", fast=False).target.tiny
+    out = tmp_path_factory.mktemp("kimi") / "target"
+    return build_tiny_target(
+        out, tiny.arch, {**tiny.model, **TINY_KIMI_MODEL}, {**tiny.train, **TINY_KIMI_TRAIN}, progress=False
+    )
+
+
 def quantized_tiny_target(tiny_config, dest: Path) -> Path:
     """A copy of the tiny target whose config.json declares quantization as Kimi-K2.5's does (compressed-tensors
     INT4 experts); its weights stay as they are."""

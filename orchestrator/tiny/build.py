@@ -2,7 +2,9 @@
 
 Arch `kimi_k25` trains a DeepSeek-V3 text model like `deepseek_v3` and saves it the way the Kimi-K2.5
 checkpoint is laid out: the wrapper's config.json (`KimiK25ForConditionalGeneration`, the text model's config
-under `text_config`) and the weights under `language_model.` (`orchestrator/wrappers.py`).
+under `text_config`), the text weights under `language_model.` with one tensor per routed expert
+(`orchestrator/wrappers.py`), and beside them a tiny vision tower, the media tokens and the image processor's
+settings (`kimi_k25.py`), so that vLLM loads it as it loads the real one.
 
 Determinism: given the same seed, spec, Python stdlib, torch/transformers/tokenizers versions,
 CPU instruction set and torch thread count, a step-limited build produces bit-identical weights
@@ -15,6 +17,7 @@ comparable across machines. A ``seconds``-limited build is not reproducible.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import math
@@ -33,6 +36,7 @@ import torch
 
 from orchestrator import wrappers
 
+from . import kimi_k25
 from .corpus import Conversation, corpus_fingerprint, stdlib_conversations
 
 CHAT_TEMPLATE = (
@@ -73,6 +77,7 @@ PUBLISHED_TEMPLATES = {
             "<|tool_call_begin|>",
             "<|tool_call_argument_begin|>",
             "<|tool_call_end|>",
+            *kimi_k25.MEDIA_TOKENS,
         ),  # fmt: skip
         "<|im_end|>",
         "[PAD]",
@@ -176,6 +181,8 @@ def _normalize_spec(arch: str, model: dict, train: dict, seed: int) -> dict[str,
     if arch in PUBLISHED_TEMPLATES:  # the template's text decides the tokens trained on
         name = PUBLISHED_TEMPLATES[arch][0]
         spec["chat_template"] = hashlib.sha256((TEMPLATES_DIR / name).read_bytes()).hexdigest()
+    if arch == "kimi_k25":  # what the checkpoint holds beside the text model, and the router's bias
+        spec["beside_text"] = kimi_k25.SPEC
     # json round trip: tuples -> lists, so a spec compares equal to the one read back from disk.
     return json.loads(json.dumps(spec, sort_keys=True))
 
@@ -195,27 +202,38 @@ def _make_config(arch: str, model: dict, tokenizer) -> Any:
         "bos_token_id": None,
         "tie_word_embeddings": False,
     }
-    kwargs = {**ids, "vocab_size": len(tokenizer), **model}
+    # a deep copy: transformers rewrites a rope_scaling dict in place, which would change the spec it came from
+    kwargs = {**ids, "vocab_size": len(tokenizer), **copy.deepcopy(model)}
     if kwargs["vocab_size"] < len(tokenizer):
         raise ValueError(f"model vocab_size {kwargs['vocab_size']} < tokenizer size {len(tokenizer)}")
     cls = LlamaConfig if arch == "llama" else DeepseekV3Config  # kimi_k25: its text model is DeepSeek-V3
     return cls(**kwargs)
 
 
-def _save_wrapped(model, wrapper: wrappers.Wrapper, out: Path) -> None:
-    """The text model saved as the wrapper's checkpoint: its config.json and `<text_attribute>.*` weights."""
+def save_target(model, tokenizer, arch: str, out: Path, seed: int) -> None:
+    """The trained text model and its tokenizer saved into `out` as the arch's checkpoint is laid out: a plain
+    `save_pretrained`, or the wrapper's checkpoint (config.json, `<text_attribute>.*` weights as transformers
+    names them on save, and for Kimi-K2.5 what the checkpoint holds beside the text model)."""
     from safetensors.torch import save_file
 
+    if arch not in WRAPPED:
+        model.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(out))
+        return
+    wrapper = WRAPPED[arch]
     text_config = model.config.to_dict()
     ids = {k: text_config.get(k) for k in ("pad_token_id", "eos_token_id", "bos_token_id")}
-    config = wrappers.wrapper_config(wrapper, text_config, dtype=text_config.get("dtype"), **ids)
+    top_level = {"dtype": text_config.get("dtype"), "tie_word_embeddings": False, **ids}
+    weights = wrappers.wrapped_state_dict(wrapper, model)
+    if arch == "kimi_k25":
+        top_level |= kimi_k25.wrapper_fields(tokenizer)
+        weights |= kimi_k25.vision_tensors(text_config["hidden_size"], seed)
+        kimi_k25.write_preprocessor_config(out)
+    config = wrappers.wrapper_config(wrapper, text_config, **top_level)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(
-        wrappers.wrapped_state_dict(wrapper, model.state_dict()),
-        str(out / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     model.generation_config.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
 
 
 def weights_sha256(model_dir: Path) -> dict[str, Any]:
@@ -355,6 +373,8 @@ def _train_and_save(tmp: Path, spec: dict[str, Any], progress: bool) -> dict[str
     config = _make_config(arch, model_over, tokenizer)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "kimi_k25":
+        kimi_k25.set_router_bias(model, seed)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
 
@@ -405,11 +425,7 @@ def _train_and_save(tmp: Path, spec: dict[str, Any], progress: bool) -> dict[str
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = None
-    if arch in WRAPPED:
-        _save_wrapped(model, WRAPPED[arch], tmp)
-    else:
-        model.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
+    save_target(model, tokenizer, arch, tmp, seed)
 
     import tokenizers
     import transformers
