@@ -179,9 +179,9 @@ def test_vllms_own_loader_takes_every_weight_of_a_deepseek_family_export(vllm_py
     text model) by the train stage's own export (draft config from the target's, the ids in vLLM's DeepSeek
     convention), loaded by vLLM's loader against that target: every tensor used, every parameter set.
 
-    The untrained draft is enough: what is checked is the export's names and shapes, not its numbers. (vLLM builds
-    the Kimi-K2.5 wrapper only with the wrapper's image processor, which a real checkpoint ships and the tiny one
-    does not; the draft is built against the text model's config in either case.)"""
+    The untrained draft is enough: what is checked is the export's names and shapes, not its numbers. (The draft is
+    built against the text model's config, the same for a DeepSeek-V3 target and for the Kimi-K2.5 wrapper, which
+    vLLM loads in test_vllm_loads_the_tiny_kimi_and_captures_the_states_hf_computes.)"""
     from orchestrator import layers as layer_contract
     from orchestrator.draft import rope as draft_rope
     from orchestrator.draft.model import Eagle3Draft, default_shape
@@ -257,6 +257,84 @@ def test_vllms_own_capture_lands_every_id_the_contract_allows_on_the_state_it_na
                 hf = capture.state(capture.points[slot])[0]
                 error = (states[:, slot] - hf).abs().max() / hf.abs().max()
                 assert error < 1e-4, (vllm_id, layer, capture.points[slot], float(error))
+
+
+@pytest.mark.vllm
+def test_vllm_loads_the_tiny_kimi_and_captures_the_states_hf_computes(vllm_python, tiny_kimi_dir, tmp_path):
+    """The tiny Kimi-K2.5 as the builder saves it (one tensor per routed expert, Kimi's router keys and MLA latent,
+    a router bias that steers the choice, the stand-in vision tower, media tokens and image processor settings):
+    vLLM builds its `KimiK25ForConditionalGeneration` (DeepSeek-V2 model code) from it, its loader setting every
+    parameter from a checkpoint tensor, and its extractor, asked for every id vLLM's DeepSeek rule allows (1 to N:
+    each decoder layer's output, the last one before the final norm), gives HF's states at the canonical layers
+    `to_vllm_ids` maps to those ids, within float32 rounding, for the prompt and the greedy response vLLM
+    generated, which is HF's token for token."""
+    from orchestrator import layers as layer_contract
+    from orchestrator.capture import HiddenStateCapture
+    from orchestrator.targets import load_target
+
+    n = target_config_json(tiny_kimi_dir)["num_hidden_layers"]
+    layers = list(range(n))  # vLLM's DeepSeek model has no embedding output (-1)
+    ids = layer_contract.to_vllm_ids(layers, n, family="kimi_k25")
+    assert ids == list(range(1, n + 1)), ids
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24]]
+    engine_args = vllm_engine.capture_engine_args(tiny_kimi_dir, ids, tmp_path / "states")
+    report = vllm_engine.capture_states(vllm_python, engine_args, prompts, tmp_path / "states",
+                                        include_output_tokens=True, max_tokens=4)  # fmt: skip
+    assert report["vllm_version"] == "0.32.0"
+
+    model, _ = load_target(tiny_kimi_dir)  # the CPU, float32
+    worst = 0.0
+    for prompt, generated, file in zip(prompts, report["generated"], report["files"]):
+        with torch.no_grad():
+            greedy = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt) :]
+        assert generated == greedy.tolist(), (generated, greedy.tolist())
+        captured = load_file(file)
+        tokens = prompt + generated[:-1]  # the last generated token was never an input
+        assert captured["token_ids"].tolist() == tokens
+        states = captured["hidden_states"]
+        assert states.shape == (len(tokens), len(ids), model.language_model.config.hidden_size)
+        with HiddenStateCapture(model, layers) as capture, torch.no_grad():
+            model(torch.tensor([tokens]))
+            for slot, (vllm_id, layer) in enumerate(zip(ids, layers)):
+                hf = capture.state(capture.points[slot])[0]
+                error = float((states[:, slot] - hf).abs().max() / hf.abs().max())
+                assert error < 1e-4, (vllm_id, layer, capture.points[slot], error)
+                worst = max(worst, error)
+    print(f"vLLM's Kimi states differ from HF's by {worst:.1e} at most (relative to the largest state)")
+
+
+@pytest.mark.vllm
+def test_a_tiny_kimi_extraction_by_vllm_equals_the_hf_extraction(vllm_python, tiny_kimi_dir, tiny_config, tmp_path):
+    """extract.engine=vllm on the tiny Kimi-K2.5 (`+experiment=tiny_kimi_eagle3` with the session's small build as
+    target.path, aux layers vLLM's DeepSeek rule can capture): the extract stage's shards equal the HF engine's,
+    token ids, masks and states (aux layers and the teacher's final-norm state) within float32 rounding."""
+    common = ("cluster=local", f"target.path={tiny_kimi_dir}", "target.hidden_size=64", "target.vocab_size=512",
+              "draft.draft_vocab_size=256", "aux_layers=[1,2,3]", "data.regenerate.enabled=false",
+              "extract.dtype=float32", "stages=[extract]", "data.max_train_conversations=16",
+              "data.max_val_conversations=4", "data.max_seq_len=128")  # fmt: skip
+    folders = {}
+    for engine, chosen in (
+        ("hf", ["extract.engine=hf"]),
+        ("vllm", ["extract.engine=vllm", f"extract.python={vllm_python}"]),
+    ):
+        cfg = tiny_config(*common, *chosen, experiment="tiny_kimi_eagle3")
+        run_pipeline(cfg, tmp_path / engine)
+        folders[engine] = make_plan(cfg, tmp_path / engine).dir("extract")
+    manifest = read_json(folders["vllm"] / "manifest.json", "manifest")
+    assert manifest["capture_engine"]["ids"] == [2, 3, 4, 6], manifest["capture_engine"]
+    shards = sorted(p.relative_to(folders["hf"]) for p in folders["hf"].glob("*/shard_*.safetensors"))
+    assert shards and shards == sorted(
+        p.relative_to(folders["vllm"]) for p in folders["vllm"].glob("*/shard_*.safetensors")
+    )
+    worst = 0.0
+    for shard in shards:
+        hf, vllm = load_file(str(folders["hf"] / shard)), load_file(str(folders["vllm"] / shard))
+        for key in ("input_ids", "loss_mask", "seq_lens"):
+            assert torch.equal(hf[key], vllm[key]), (shard, key)
+        for key in ("aux_hidden_states", "teacher_hidden_state"):
+            worst = max(worst, float((hf[key] - vllm[key]).abs().max() / hf[key].abs().max()))
+    print(f"{len(shards)} shards; vLLM's states differ from HF's by {worst:.1e} at most")
+    assert worst < 1e-4, worst
 
 
 @pytest.mark.vllm

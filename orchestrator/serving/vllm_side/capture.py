@@ -53,6 +53,7 @@ def main(request: dict, argv: list[str]) -> dict:
     from vllm import LLM, SamplingParams
 
     out = Path(request["out"])
+    _llvmlite_lib_without_dunders()
     llm = LLM(**engine_kwargs(argv))
     params = SamplingParams(
         max_tokens=request.get("max_tokens", 1),
@@ -82,6 +83,28 @@ def main(request: dict, argv: list[str]) -> dict:
         files.append(str(target))
         generated.append(list(result.outputs[0].token_ids))
     return {"vllm_version": vllm.__version__, "files": files, "generated": generated}
+
+
+def _llvmlite_lib_without_dunders() -> None:
+    """On a CPU without Triton, vLLM 0.32 points its kernels at C++ fallbacks by scanning every loaded module's
+    attributes with `vars()` (`register_kernels`, vllm/triton_utils/dispatcher.py). llvmlite's `ffi.lib` answers
+    any attribute name with a C-function wrapper, `__dict__` included, and the scan fails ("'_lib_fn_wrapper' object
+    has no attribute 'get'") once numba is loaded, which vLLM's Kimi-K2.5 image processor imports
+    (vllm/transformers_utils/processors/kimi_k25_vision_fused.py). Dunder names are not C functions: refuse them."""
+    import importlib.util
+
+    if importlib.util.find_spec("llvmlite") is None:
+        return
+    from llvmlite.binding import ffi
+
+    lookup = ffi._lib_wrapper.__getattr__
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lookup(self, name)
+
+    ffi._lib_wrapper.__getattr__ = __getattr__
 
 
 def _locked(path: str) -> bool:
