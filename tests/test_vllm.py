@@ -353,6 +353,8 @@ def test_an_extraction_by_vllm_equals_the_hf_extraction(vllm_python, fast_cache,
         run_pipeline(cfg, tmp_path / engine)
         folders[engine] = make_plan(cfg, tmp_path / engine).dir("extract")
     assert folders["hf"] != folders["vllm"]
+    # vLLM's files are read one shard at a time and deleted as each shard is written: none are left
+    assert not (folders["vllm"] / "vllm_states").exists()
     manifest = read_json(folders["vllm"] / "manifest.json", "manifest")
     assert manifest["capture_engine"] == {
         "name": "vllm", "vllm_version": "0.32.0", "ids": [2, 5, 7, 8], "mode": "capture"

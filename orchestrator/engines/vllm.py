@@ -5,6 +5,8 @@ orchestrator/serving/vllm.py's; the scripts that run inside its environment are 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shlex
 import shutil
 from pathlib import Path
@@ -169,52 +171,75 @@ class VLLM(Engine):
         from orchestrator.targets import load_tokenizer
 
         tokenizer = load_tokenizer(job.target_path, cfg.target.trust_remote_code, cfg.data.chat_template)
-        return VLLMCapture(tokenizer, capture_all(cfg, job, tokenizer), cfg)
+        return VLLMCapture(tokenizer, *capture_all(cfg, job, tokenizer), cfg, job)
 
 
 class VLLMCapture:
-    """Every state of the task's shards, computed in one engine run when it opens; `shard` assembles one."""
+    """The task's states, computed in one engine run when it opens and left in vLLM's files, one per sequence:
+    `shard` reads one shard's files, assembles the shard, and deletes them, so a rank holds one shard's states in
+    memory at a time (at Kimi's scale a rank's states are hundreds of GB), and its work folder goes when the last
+    shard is done."""
 
     model = None
 
-    def __init__(self, tokenizer, states, cfg):
-        self.tokenizer, self.states, self.cfg = tokenizer, states, cfg
+    def __init__(self, tokenizer, files, work, cfg, job: CaptureJob):
+        from orchestrator.targets import load_head_tensors, target_config_json
+
+        self.tokenizer, self.files, self.work, self.cfg, self.layers = tokenizer, files, work, cfg, len(job.layers)
+        self.norm = load_head_tensors(job.target_path)["norm"] if cfg.extract.teacher == "post_norm" else None
+        self.eps = target_config_json(job.target_path).get("rms_norm_eps", 1e-6)
 
     def shard(self, split, index, rendered):
-        """One shard in the project's format (as the HF capture writes it) from vLLM's captured states."""
+        """One shard in the project's format (as the HF capture writes it) from vLLM's captured states: the aux
+        layers, and the last layer's output (id N, before the final norm: the teacher's source) as
+        `extract.teacher` asks (post_norm: the target's final RMSNorm applied here, as HF's model applies it)."""
         import torch
+        from safetensors.torch import load_file
 
+        from orchestrator.artifacts import ArtifactError
         from orchestrator.stages.extract import DTYPES
 
-        states = self.states[split, index]
         dtype = DTYPES[self.cfg.extract.dtype]
+        files = self.files.pop((split, index))
+        aux, teacher = [], []
+        for seq, path in zip(rendered, files, strict=True):
+            captured = load_file(path)
+            length = len(seq.input_ids)  # one-pass: the capture may hold tokens past the response's cut
+            if captured["token_ids"][:length].tolist() != list(seq.input_ids) or len(captured["token_ids"]) < length:
+                raise ArtifactError(f"vLLM's capture of a {split} sequence holds other tokens than were sent ({path})")
+            hs = captured["hidden_states"][:length].float()  # [T, K+1, H], in the order of the capture's ids
+            last = hs[:, -1]
+            if self.norm is not None:
+                last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
+            aux.append(hs[:, : self.layers].flatten(1).to(dtype))
+            teacher.append(last.to(dtype))
+        for path in files:
+            os.remove(path)
+        if not self.files:  # the task's last shard
+            shutil.rmtree(self.work)
+            with contextlib.suppress(OSError):  # left while another task's folder is in it
+                self.work.parent.rmdir()
         return {
             "input_ids": torch.cat([torch.tensor(r.input_ids) for r in rendered]).to(torch.int32),
             "loss_mask": torch.cat([torch.tensor(r.loss_mask, dtype=torch.uint8) for r in rendered]),
             "seq_lens": torch.tensor([len(r.input_ids) for r in rendered], dtype=torch.int32),
-            "aux_hidden_states": torch.cat([s["aux"].to(dtype) for s in states]).contiguous(),
-            "teacher_hidden_state": torch.cat([s["teacher"].to(dtype) for s in states]).contiguous(),
+            "aux_hidden_states": torch.cat(aux).contiguous(),
+            "teacher_hidden_state": torch.cat(teacher).contiguous(),
         }
 
 
-def capture_all(cfg, job: CaptureJob, tokenizer) -> dict[tuple[str, int], list[dict]]:
-    """Every sequence of the task's `todo` shards through vLLM's extractor in one engine run: the aux layers and
-    the last layer's output (id N, before the final norm: the teacher's source), at the ids of vLLM's rule. Returns
-    per shard, per sequence, {"aux": [T, K*H], "teacher": [T, H]} in float32, the teacher as `extract.teacher`
-    asks (post_norm: the target's final RMSNorm applied here, as HF's model applies it).
+def capture_all(cfg, job: CaptureJob, tokenizer) -> tuple[dict[tuple[str, int], list[str]], Path]:
+    """Every sequence of the task's `todo` shards through vLLM's extractor in one engine run, at the ids of vLLM's
+    rule: the aux layers, then the last layer's output. Returns vLLM's file for each sequence, per shard, and the
+    work folder that holds them (read by `VLLMCapture.shard`).
 
     With data.regenerate.engine=one_pass, each request is the prompt alone: vLLM answers it greedily, then
     captures the states of prompt plus answer in the same request (`include_output_tokens`). The sequences are
     kept as a regeneration's are (`<split>/regenerated_NNNNN.safetensors`), so the shard loop reads them back."""
-    import torch
-    from safetensors.torch import load_file
-
-    from orchestrator.artifacts import ArtifactError
     from orchestrator.config import one_pass
     from orchestrator.data import prompt_ids
     from orchestrator.regenerate import keep_regenerated, one_pass_rendered
     from orchestrator.serving import vllm
-    from orchestrator.targets import load_head_tensors, target_config_json
 
     ids = capture_ids(cfg, job.layers)  # the layers, then the last layer's output for the teacher
     r = cfg.data.regenerate
@@ -223,11 +248,13 @@ def capture_all(cfg, job: CaptureJob, tokenizer) -> dict[tuple[str, int], list[d
     shards, todo, out = job.shards, job.todo, job.out
     if answers_too:  # the prompts only: vLLM answers each, then captures prompt plus answer, in the same request
         prompts = [prompt_ids(tokenizer, c, max(1, max_len - 1)) for split, i in todo for c in shards[split][i]]
+        counts = [len(shards[split][index]) for split, index in todo]
     else:
-        rendered = {(split, index): job.sequences(tokenizer, split, index) for split, index in todo}
-        prompts = [seq.input_ids for key in rendered for seq in rendered[key]]
+        rendered = [job.sequences(tokenizer, split, index) for split, index in todo]
+        prompts = [seq.input_ids for seqs in rendered for seq in seqs]
+        counts = [len(seqs) for seqs in rendered]
     work = out / "vllm_states" / f"rank{job.compute.rank}"
-    if work.exists():
+    if work.exists():  # an interrupted run's
         shutil.rmtree(work)
     gpus = sum(d.type == "cuda" for d in job.compute.devices)
     engine_args = vllm.extract_engine_args(cfg, job.target_path, work, gpus)
@@ -242,31 +269,16 @@ def capture_all(cfg, job: CaptureJob, tokenizer) -> dict[tuple[str, int], list[d
     print(f"[extract] vLLM {report['vllm_version']} {mode}: ids {ids} for {len(prompts)} sequences")
     if answers_too:
         answers = iter(zip(prompts, report["generated"]))
-        rendered = {}
-        for split, index in todo:
-            rendered[split, index] = [
+        for (split, index), count in zip(todo, counts):
+            kept = [
                 one_pass_rendered(*next(answers), r.max_new_tokens, tokenizer.eos_token_id, max_len)
-                for _ in shards[split][index]
+                for _ in range(count)
             ]
-            keep_regenerated(out / split / f"regenerated_{index:05d}.safetensors", rendered[split, index])
-    norm = load_head_tensors(job.target_path)["norm"]
-    eps = target_config_json(job.target_path).get("rms_norm_eps", 1e-6)
-    files = iter(report["files"])
-    states: dict[tuple[str, int], list[dict[str, torch.Tensor]]] = {}
-    for key, seqs in rendered.items():
-        states[key] = []
-        for seq in seqs:
-            captured = load_file(next(files))
-            length = len(seq.input_ids)  # one-pass: the capture may hold tokens past the response's cut
-            if captured["token_ids"][:length].tolist() != list(seq.input_ids) or len(captured["token_ids"]) < length:
-                raise ArtifactError(f"vLLM's capture of a {key[0]} sequence holds other tokens than were sent")
-            hs = captured["hidden_states"][:length].float()  # [T, K+1, H], in the order of `ids`
-            last = hs[:, -1]
-            if cfg.extract.teacher == "post_norm":
-                last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + eps) * norm
-            states[key].append({"aux": hs[:, : len(job.layers)].flatten(1), "teacher": last})
-    shutil.rmtree(work)
-    return states
+            keep_regenerated(out / split / f"regenerated_{index:05d}.safetensors", kept)
+    files, paths = {}, iter(report["files"])
+    for key, count in zip(todo, counts):
+        files[key] = [next(paths) for _ in range(count)]
+    return files, work
 
 
 ENGINE = VLLM()
