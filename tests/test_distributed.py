@@ -25,6 +25,7 @@ from orchestrator.stages.train import rank_share
 from orchestrator.targets import ensure_target
 
 WRITE_AUDIT = Path(__file__).resolve().parent / "write_audit"
+FAULTS = Path(__file__).resolve().parent / "faults"
 # One CPU per rank, and the one-process run also on one: the same float reductions in both.
 ONE_CPU = ["extract.resources.cpus_per_task=1", "train.resources.cpus_per_task=1"]
 
@@ -117,7 +118,9 @@ def test_two_rank_training_reaches_the_one_rank_weights(runs):
 
 def test_two_rank_training_killed_mid_run_resumes_to_the_same_weights(runs, tmp_path):
     """The 2-task training job is killed with its driver after a checkpoint; the same command again resumes both
-    ranks from rank 0's checkpoint and reaches the uninterrupted 2-rank weights."""
+    ranks from rank 0's checkpoint and reaches the uninterrupted 2-rank weights. Rank 1 stops for good at its 7th
+    step (tests/faults), so the kill lands after the step-4 checkpoint and before the end however slow the machine
+    is: the test does not race the training."""
     cfg2, summary2 = runs[2]
     root = tmp_path / "outputs"
     for part in ("targets", "extract"):  # the same target and extraction: only training runs
@@ -133,9 +136,18 @@ def test_two_rank_training_killed_mid_run_resumes_to_the_same_weights(runs, tmp_
         *FAST,
         *_overrides(2),
     ]
+    assert cfg2.train.checkpoint_every == 4 and cfg2.train.max_steps > 7
+    hang = {
+        "PYTHONPATH": os.pathsep.join([str(FAULTS), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        "FAULT_TARGET": "orchestrator.stages.train:optimizer_step",
+        "FAULT_RANK": "1",
+        "FAULT_CALL": "7",
+        "FAULT_KIND": "hang",
+    }
     first = subprocess.Popen(
-        command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+        command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env=os.environ | hang,
+    )  # fmt: skip
     try:
         deadline = time.monotonic() + 600
         found = []
@@ -147,7 +159,7 @@ def test_two_rank_training_killed_mid_run_resumes_to_the_same_weights(runs, tmp_
         os.killpg(first.pid, signal.SIGKILL)  # the driver and its local jobs, both ranks
         first.wait()
     killed_at = torch.load(found[0], weights_only=False)["step"]
-    assert 0 < killed_at < cfg2.train.max_steps, "the kill must land mid-run"
+    assert killed_at == 4, "the kill must land after the first checkpoint, before rank 1's hang"
     assert not (found[0].parent.parent / "manifest.json").exists()
 
     again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
