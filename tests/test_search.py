@@ -415,7 +415,11 @@ def test_two_workers_reaching_the_enqueued_baseline_run_it_once(tmp_path, monkey
         return row
 
     monkeypatch.setattr(models.TrialModel, "find_or_raise_by_id", classmethod(held))
-    study, calls = _driver_with_fake_chains(tmp_path, monkeypatch, "search.n_trials=2", "search.study_name=race")
+    # the baseline's chain lasts until the second starts: were it over first (a loaded machine is slow to ask), the
+    # second worker could be proposed the finished baseline and take its value, rightly, with no chain of its own
+    study, calls = _driver_with_fake_chains(
+        tmp_path, monkeypatch, "search.n_trials=2", "search.study_name=race", hold_s=60
+    )
     study.run()
     points = [point for _, point in calls]
     assert len(calls) == 2 and len({run_dir for run_dir, _ in calls}) == 2 and points.count([1, 4, 6]) == 1, calls
