@@ -135,6 +135,7 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
         )
     )
     out += node_limit_findings(cfg)
+    out += engine_version_findings(cfg)
     for module in t.remote_code_imports:  # what the target's remote code (its tokenizer) imports
         found = importlib.util.find_spec(module) is not None
         out.append(
@@ -149,6 +150,25 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
                 "-e '.[kimi]')",
             )
         )
+    return out
+
+
+def engine_version_findings(cfg: RootConfig) -> list[Finding]:
+    """Each engine the stages launch from its own environment, as installed there (its package metadata): the id
+    rule is the installed version's, so a pin that disagrees, or a version with no recorded rule, is refused here,
+    before any job, and again in the job before the engine starts (a node's environment can differ)."""
+    from orchestrator import engines
+
+    out = []
+    for engine, python, key in engines.engine_environments(cfg):
+        try:
+            installed = engine.check_installed(cfg, python, key)
+        except ValueError as exc:
+            fix = f"set {engine.version_key} to the installed version, or install the pinned one"
+            out.append(Finding("engine version", False, str(exc), fix))
+            continue
+        if installed is not None:
+            out.append(Finding("engine version", True, f"{key}={python}: {engine.name} {installed}, as pinned"))
     return out
 
 
@@ -440,6 +460,7 @@ def loader_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -> list[
     """`check_draft=`: the draft through serve.engine's own loader (the serve stage's first step), where the
     engine has one (vLLM) and its environment and the target's config.json are here."""
     from orchestrator import engines
+    from orchestrator.draft import export as draft_export
 
     engine = engines.get(cfg.serve.engine, engines.SERVE)
     category = f"{engine.name} loader"
@@ -452,11 +473,27 @@ def loader_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -> list[
             else f"no {engine.name} environment at serve.python"
         )
         return [Finding(category, True, f"not run: {why}; the serve stage runs it before its servers start")]
-    report = engine.check_draft(cfg, target_dir, draft_dir)
+    prov = draft_dir / draft_export.PROVENANCE
+    trained = read_json(prov, "draft provenance").get("aux_layers") if prov.exists() else None
+    layers = trained if trained is not None else list(cfg.aux_layers)
+    report = engine.check_draft(cfg, target_dir, draft_dir, layers)
+    out = []
     if not report["problems"]:
-        return [Finding(category, True, f"{engine.name} {report['version']} loads every weight of {draft_dir}")]
+        out.append(Finding(category, True, f"{engine.name} {report['version']} loads every weight of {draft_dir}"))
     fix = f"export the draft with the names {engine.name}'s loader takes (docs/engines.md#vllm-drafts-and-serving)"
-    return [Finding(category, False, p, fix) for p in report["problems"]]
+    out += [Finding(category, False, p, fix) for p in report["problems"]]
+    whose = f"aux_layers={layers}"
+    if trained is not None:
+        whose = f"the trained {whose} ({draft_export.PROVENANCE})"
+    fed = "; ".join(f"{runner.upper()} feeds {states}" for runner, states in report["fed"].items())
+    if not report["layer_problems"]:
+        out.append(Finding(f"{engine.name} runners", True, f"{engine.name} {report['version']}: {fed}: {whose}"))
+    fix = (
+        "write the ids under every key the runners read (orchestrator.draft.export.write_layer_ids; the serve stage "
+        "does), or set aux_layers to the layers the draft was trained on"
+    )
+    out += [Finding(f"{engine.name} runners", False, p, fix) for p in report["layer_problems"]]
+    return out
 
 
 def print_report(findings: list[Finding]) -> None:

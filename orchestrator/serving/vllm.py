@@ -215,11 +215,18 @@ def check_capture_args(python: str, engine_args: list[str], timeout: float = 120
         )
 
 
-def check_draft_loads(cfg: RootConfig, target_path: Path | str, draft_dir: Path | str, timeout: float = 600) -> dict:
+def check_draft_loads(
+    cfg: RootConfig, target_path: Path | str, draft_dir: Path | str, layers: list[int] | None = None,
+    timeout: float = 600,
+) -> dict:  # fmt: skip
     """vLLM's own loader on the draft (`vllm_side/load_check.py` in `serve.python`), building it against the
     target's config as the engine does. Returns the report with `problems`: each checkpoint tensor vLLM reads and
     drops (but those in DROPPED_BY_DESIGN), each parameter left unloaded, each tensor whose load raised. A dropped
-    tensor is served as nothing and a missing parameter as whatever memory held, both silently."""
+    tensor is served as nothing and a missing parameter as whatever memory held, both silently.
+
+    With `layers` (canonical: the layers the draft was trained on), also `layer_problems`: each of vLLM's model
+    runners whose own reading of the draft config (or, reading none, the target's defaults) feeds the draft other
+    states, by the id rule of the vLLM version installed (`runner_layers`)."""
     argv = [cfg.serve.python, str(LOAD_CHECK), str(target_path), str(draft_dir), str(cfg.serve.num_steps)]
     report = _run_vllm_side(argv, server_env(cfg), timeout, f"vLLM's loader could not build the draft {draft_dir}")
     problems = [f"{name}: vLLM reads it and drops it" for name in report["unused"] if name not in DROPPED_BY_DESIGN]
@@ -227,7 +234,67 @@ def check_draft_loads(cfg: RootConfig, target_path: Path | str, draft_dir: Path 
     problems += [f"{name}: {error}" for name, error in report["refused"].items()]
     if report["load_error"]:
         problems.append(f"the whole load fails: {report['load_error']}")
-    return report | {"problems": problems}
+    fed, layer_problems = runner_layers(cfg, report, layers)
+    return report | {"problems": problems, "fed": fed, "layer_problems": layer_problems}
+
+
+# vLLM's runners, and the keys each reads a draft config's ids from (vllm 0.32.0: vllm/v1/worker/gpu_model_runner.py
+# `_get_eagle3_aux_layers_from_config`; vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
+# `get_eagle3_aux_layers_from_config`)
+RUNNERS = {
+    "v1": (
+        "vLLM's V1 model runner (its CPU runner, and the GPU runner where Model Runner V2 is unsupported)",
+        "the top-level eagle_aux_hidden_state_layer_ids, else eagle_config.eagle_aux_hidden_state_layer_ids",
+    ),
+    "mrv2": (
+        "vLLM's Model Runner V2 (the default GPU runner wherever Triton is present)",
+        "the top-level eagle_aux_hidden_state_layer_ids, dflash_config.target_layer_ids, dspark_target_layer_ids, "
+        "target_layer_ids or eagle_config.layer_ids, never eagle_config.eagle_aux_hidden_state_layer_ids",
+    ),
+}
+
+
+def runner_layers(cfg: RootConfig, report: dict, layers: list[int] | None) -> tuple[dict[str, list[int]], list[str]]:
+    """The canonical states each vLLM runner feeds the draft (the ids its own function read, `load_check`'s
+    `runners`, decoded by the installed version's rule for the target's family), and, given the trained
+    `layers`, a problem for each runner that feeds others, and one where the runners disagree."""
+    from orchestrator import layers as layer_contract
+    from orchestrator.engines.vllm import vllm_rule
+
+    t = cfg.target
+    rule = vllm_rule(t.family, report["vllm_version"])
+    n = t.num_hidden_layers
+    fed = {name: layer_contract.captured_layers(rule, r["ids"], n) for name, r in report["runners"].items()}
+    if layers is None:
+        return fed, []
+    problems = []
+    for name, r in report["runners"].items():
+        if fed[name] == list(layers) and len(r["ids"]) == len(layers):
+            continue
+        what, keys = RUNNERS[name]
+        read = (
+            f"reads ids {r['from_config']} from the draft config"
+            if r["from_config"]
+            else f"reads no ids from the draft config (it reads {keys}) and captures the target's defaults {r['ids']}"
+        )
+        problems.append(
+            f"{what}, vllm {report['vllm_version']}, {read}: it would feed the draft {_states(fed[name])}, not the "
+            f"{_states(list(layers))} it was trained on"
+        )
+    if fed["v1"] != fed["mrv2"]:
+        unsupported = report["mrv2_unsupported"]
+        gpu = "V1 on GPUs too, as " + ", ".join(unsupported) + " rules MRV2 out" if unsupported else "MRV2 on GPUs"
+        problems.append(
+            f"vLLM's runners disagree: V1 would feed {fed['v1']}, Model Runner V2 {fed['mrv2']}; which one serves "
+            f"depends on the machine ({report['runner_here'].upper()} on this one, {gpu})"
+        )
+    return fed, problems
+
+
+def _states(layers: list[int]) -> str:
+    from orchestrator.layers import describe
+
+    return f"{layers} ({', '.join(describe(k) for k in layers) or 'nothing'})"
 
 
 # ------------------------------------------------------------------------------------------------- the API

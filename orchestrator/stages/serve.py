@@ -41,18 +41,17 @@ def served_draft_dir(cfg: RootConfig, plan) -> Path:
     exported = prov.get("serving") or {}
     convention = layer_contract.id_convention(exported.get("engine") or s.engine)
     deliberate = list(s.layers) != list(cfg.train.layers)
-    if convention == layer_contract.id_convention(s.engine) and not deliberate:
+    serving_convention = layer_contract.id_convention(s.engine)
+    written = draft_export.nested_ids(conf)
+    complete = conf == draft_export.write_layer_ids(json.loads(json.dumps(conf)), written or [], serving_convention)
+    if convention == serving_convention and not deliberate and complete:
         return trained
     if deliberate:
         layers = list(s.layers)
     else:  # what the export captures where it was meant to be served
         version = exported.get(f"{convention}_version")  # draft_export.serving_record
         layers = layer_contract.from_engine_ids(
-            convention,
-            conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
-            t.num_hidden_layers,
-            t.family,
-            version or s.engine_version,
+            convention, written, t.num_hidden_layers, t.family, version or s.engine_version
         )
     ids = _ids_as_written(cfg, layers)
     copy = Path(plan.run_dir) / f"draft_{s.engine}"
@@ -61,8 +60,7 @@ def served_draft_dir(cfg: RootConfig, plan) -> Path:
     shutil.copytree(trained, copy, copy_function=_link_or_copy)
     for name in ("config.json", draft_export.PROVENANCE):  # rewritten, never through a link to the trained draft
         (copy / name).unlink()
-    conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
-    write_json(copy / "config.json", conf)
+    write_json(copy / "config.json", draft_export.write_layer_ids(conf, ids, serving_convention))
     prov["serving"] = draft_export.serving_record(s, t.family, ids)
     write_json(copy / draft_export.PROVENANCE, prov)
     return copy
@@ -146,6 +144,9 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     out = plan.dir("serve")
     out.mkdir(parents=True, exist_ok=True)
     target = Path(plan.target_dir)
+    engine = engines.get(s.engine, engines.SERVE)
+    # this node's environment, as installed, before anything starts: its version's id rule is the one that applies
+    installed = engine.check_installed(cfg, s.python, "serve.python")
     draft = served_draft_dir(cfg, plan)
     flags: list[str] = []
     try:
@@ -156,8 +157,10 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         flags.append(f"serve: guard off, serving anyway a draft the guard refuses: {exc}")
         ids = read_json(draft / "config.json", "draft config")["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     tracker.tags({"serve.eagle_aux_hidden_state_layer_ids": json.dumps(ids)})  # the layers' param is aux_layers
-    # the engine's own loader on the draft, where it has one (vLLM): nothing it reads and drops, nothing unloaded
-    loaded = engines.get(s.engine, engines.SERVE).check_draft(cfg, target, draft)
+    # the engine's own loader on the draft, where it has one (vLLM): nothing it reads and drops, nothing unloaded,
+    # and every runner of the engine feeding it the states it was trained on, by the runners' own reading
+    trained = draft_export.provenance(draft).get("aux_layers")
+    loaded = engine.check_draft(cfg, target, draft, trained)
     if loaded is not None and loaded["problems"]:
         raise sglang_engine.ServingRefused(
             f"{s.engine} {loaded['version']} would serve the draft {draft} ({loaded['model_class']}) "
@@ -165,6 +168,12 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             + "\n  - ".join(loaded["problems"])
             + f"\nThe export's weight names are not the ones {s.engine}'s loader takes (docs/engines.md)"
         )
+    if loaded is not None and loaded["layer_problems"]:
+        refusal = f"{s.engine} {loaded['version']} would feed the draft {draft} other layers than it was trained on:"
+        refusal += "\n  - " + "\n  - ".join(loaded["layer_problems"])
+        if s.guard:
+            raise sglang_engine.ServingRefused(refusal)
+        flags.append(f"serve: guard off, serving anyway: {refusal}")
 
     tokenizer = load_tokenizer(target, cfg.target.trust_remote_code, cfg.data.chat_template)
     _, val_convs = conversations(cfg.data, cfg.seed)
@@ -229,7 +238,8 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     result: dict[str, Any] = {k: head[k] for k in ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length")}
     result |= {k: v for k, v in head.items() if k.endswith(("ttft_mean_s", "itl_mean_s"))}
     result["engine"] = s.engine
-    result["engine_version"] = servers["speculative"]["server_info"].get("version") or s.engine_version
+    result["engine_version"] = servers["speculative"]["server_info"].get("version") or installed or s.engine_version
+    result["id_rules"] = f"{s.id_rules} ({s.engine_version}, installed)" if installed else s.id_rules
     if s.fallback_reason:
         result["engine_fallback"] = s.fallback_reason
     result |= {
@@ -241,7 +251,9 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         "compute": compute.describe(),
     }
     if loaded is not None:
-        result[f"{s.engine}_load_check"] = {k: loaded[k] for k in ("model_class", "unused", "missing")}
+        result[f"{s.engine}_load_check"] = {
+            k: loaded[k] for k in ("model_class", "unused", "missing", "runners", "fed", "runner_here")
+        }
     if histogram:
         reached = [sum(histogram[j:]) for j in range(len(histogram))]
         result["accept_rate_by_position"] = [

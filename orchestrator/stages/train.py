@@ -596,6 +596,7 @@ def export_draft(
         cfg.draft.torch_dtype,
         tconf,
         cfg.draft.max_position_embeddings or tconf.get("max_position_embeddings", t.max_position_embeddings),
+        layer_contract.id_convention(s.engine),
     )
     provenance = {
         "aux_layers": list(cfg.train.layers),

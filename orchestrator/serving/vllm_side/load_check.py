@@ -14,9 +14,19 @@ to the model's own `load_weights`, one at a time, through the loader's own weigh
   whatever memory held.
 
 Then the whole checkpoint is loaded again through `DefaultModelLoader.load_weights`, the path the server takes,
-which must raise nothing. Prints one JSON line: vLLM's version, the architecture and model class, `loaded` and
-`missing` (parameter names as vLLM names them), `unused` (checkpoint names), `refused` (checkpoint names whose
-load raised, with the error) and `load_error` (the whole load's error, or null).
+which must raise nothing.
+
+The layer ids each of vLLM's model runners will capture for the draft are read by the runners' own functions
+from the speculative config the engine built: V1's `GPUModelRunner._get_eagle3_aux_layers_from_config` and Model
+Runner V2's `get_eagle3_aux_layers_from_config`, and where a runner finds none, the target's defaults by
+`SupportsEagle3.get_eagle3_default_aux_hidden_state_layers` (what both runners then capture). Which runner this
+machine's engine picks is `VllmConfig.use_v2_model_runner`; which one a GPU with Triton picks for the same config
+is MRV2 unless `_get_v2_model_runner_unsupported_features` names something.
+
+Prints one JSON line: vLLM's version, the architecture and model class, `loaded` and `missing` (parameter names
+as vLLM names them), `unused` (checkpoint names), `refused` (checkpoint names whose load raised, with the error),
+`load_error` (the whole load's error, or null), and `runners` (per runner: the ids it reads from the config, or
+null, and the ids it captures), `runner_here` and `mrv2_unsupported`.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ def main(target: str, draft: str, num_steps: int) -> dict:
     )
     vllm_config = args.create_engine_config()
     draft_config = vllm_config.speculative_config.draft_model_config
+    runners = runner_ids(vllm_config)
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(
             world_size=1, rank=0, local_rank=0, backend="gloo",
@@ -103,6 +114,41 @@ def main(target: str, draft: str, num_steps: int) -> dict:
         "missing": missing,
         "refused": refused,
         "load_error": load_error,
+        **runners,
+    }
+
+
+def runner_ids(vllm_config) -> dict:
+    """The layer ids each of vLLM's runners captures for this engine config's draft, by the runners' own code."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models.interfaces import SupportsEagle3
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    spec = vllm_config.speculative_config
+    layers = vllm_config.model_config.hf_text_config.num_hidden_layers
+    # the default reads only the decoder's layer count (`len(holder.layers)`); a stand-in with that many layers
+    defaults = SupportsEagle3.get_eagle3_default_aux_hidden_state_layers(
+        SimpleNamespace(model=SimpleNamespace(layers=[None] * layers))
+    )
+    read = {
+        "v1": GPUModelRunner._get_eagle3_aux_layers_from_config(SimpleNamespace(speculative_config=spec)),
+        "mrv2": get_eagle3_aux_layers_from_config(spec),
+    }
+    try:
+        unsupported = list(vllm_config._get_v2_model_runner_unsupported_features())
+    except Exception as exc:  # noqa: BLE001 - reported: the GPU's choice is then unknown
+        unsupported = [f"unknown ({type(exc).__name__}: {exc})"]
+    return {
+        "runners": {
+            name: {"from_config": list(ids) if ids else None, "ids": list(ids) if ids else list(defaults)}
+            for name, ids in read.items()
+        },
+        "default_ids": list(defaults),
+        "target_layers": layers,
+        "runner_here": "mrv2" if vllm_config.use_v2_model_runner else "v1",
+        "mrv2_unsupported": unsupported,
     }
 
 
