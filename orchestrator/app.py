@@ -37,6 +37,8 @@ def main(cfg: DictConfig) -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(3)
     if result.get("check") and not result["ok"]:
+        # each failure whole, one a line: the report's table above folds them to its width
+        print("check failed:\n  - " + "\n  - ".join(result["failures"]), file=sys.stderr)
         sys.exit(1)
 
 

@@ -186,6 +186,9 @@ class ExtractConfig:
 @dataclass
 class TrainConfig:
     layers: list[int] = MISSING
+    # A draft trained elsewhere (SGLang/SpecForge, vLLM or speculators format): the train stage imports it instead
+    # of training one, as reading `layers`, and eval and serve measure it like a trained draft. null: train.
+    from_draft: Optional[str] = None
     ttt_steps: int = MISSING
     epochs: int = MISSING
     max_steps: Optional[int] = MISSING
@@ -428,6 +431,13 @@ def validate(cfg: RootConfig) -> None:
     check_extract_engine(cfg)
     check(cfg.draft.torch_dtype in DTYPES, f"draft.torch_dtype={cfg.draft.torch_dtype!r}: expected one of {DTYPES}")
     check(cfg.train.ttt_steps >= 1, f"train.ttt_steps={cfg.train.ttt_steps}: expected >= 1")
+    if cfg.train.from_draft is not None:
+        imported = Path(cfg.train.from_draft).expanduser().resolve()
+        check(
+            (imported / "config.json").is_file() and any(imported.glob("*.safetensors")),
+            f"train.from_draft={cfg.train.from_draft}: no draft there (a folder with config.json and *.safetensors)",
+        )
+        cfg.train.from_draft = str(imported)
     serving = engines.names(engines.SERVE)
     check(cfg.serve.engine in serving, f"serve.engine={cfg.serve.engine!r}: expected one of {serving}")
     check(cfg.cluster.kind in CLUSTERS, f"cluster.kind={cfg.cluster.kind!r}: expected one of {CLUSTERS}")

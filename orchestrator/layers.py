@@ -130,13 +130,17 @@ def _decode_entering_with_final(ids: Sequence[int], n: int) -> list[int | None]:
 SGLANG_SHIFT = IdRule(
     "sglang-shift",
     _decode_shift,
-    "sglang python/sglang/srt/models/llama.py set_eagle3_layers_to_capture: layers_to_capture = [val + 1 ...]",
+    "sglang 0.5.23 python/sglang/srt/models/llama.py LlamaForCausalLM.set_eagle3_layers_to_capture: "
+    "layers_to_capture = [val + 1 for val in layer_ids], captured before layer j runs (LlamaModel.forward); "
+    "every family before PR #25454 (0.5.12's deepseek_v2.py too)",
 )
 SGLANG_FIRST_ID = IdRule(
     "sglang-first-id",
     _decode_first_id,
-    "sglang python/sglang/srt/models/deepseek_v2.py set_eagle3_layers_to_capture after PR #25454: "
-    "shift by one only when layer_ids[0] == 1",
+    "sglang 0.5.23 python/sglang/srt/models/deepseek_v2.py DeepseekV2ForCausalLM.set_eagle3_layers_to_capture "
+    "(PR #25454, first in 0.5.13): [val + 1 ...] only when layer_ids[0] == 1, else list(layer_ids); "
+    "DeepseekV3ForCausalLM inherits it, and kimi_k25.py's KimiK25ForConditionalGeneration passes the ids to its "
+    "DeepseekV3ForCausalLM language_model",
 )
 
 
@@ -164,8 +168,13 @@ VLLM_DEEPSEEK = IdRule(
 # The vLLM versions whose capture loops were read for the rules above; another version has no recorded rule.
 VLLM_CHECKED = (0, 32)
 
-# SGLang versions that include PR #25454 (the first-id rule for the DeepSeek/Kimi family).
+# SGLang versions that include PR #25454 (the first-id rule for the DeepSeek/Kimi family): absent from the
+# 0.5.12 and 0.5.12.post1 wheels' deepseek_v2.py, present in 0.5.13's.
 SGLANG_FIRST_ID_SINCE = (0, 5, 13)
+# The newest SGLang whose model code was read for the rules above; a newer one has no recorded rule. (Families
+# the project does not accept have other rules there: gpt_oss.py keeps ids as they are when the largest is N,
+# since 0.5.17; a family with no rule here is refused.)
+SGLANG_CHECKED_UNTIL = (0, 5, 23)
 
 SGLANG_FAMILIES = ("llama", "deepseek_v3", "kimi_k25")
 

@@ -87,13 +87,14 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     keys["extract"] = stable_hash(
         {"target": target, "data": data, "extract": extract, "seed": cfg.seed, "code": CODE_VERSION["extract"]}
     )
+    train = _subtree(cfg, "train")
+    if cfg.train.from_draft is None:  # the keys of drafts trained before imports existed stay the same
+        train.pop("from_draft")
+    else:  # an imported draft is its files' content, not its folder's name
+        folder = Path(cfg.train.from_draft)
+        train["from_draft"] = {f.name: file_sha256(f) for f in sorted(folder.iterdir()) if f.is_file()}
     keys["train"] = stable_hash(
-        {
-            "extract": keys["extract"],
-            "draft": _subtree(cfg, "draft"),
-            "train": _subtree(cfg, "train"),
-            "code": CODE_VERSION["train"],
-        }
+        {"extract": keys["extract"], "draft": _subtree(cfg, "draft"), "train": train, "code": CODE_VERSION["train"]}
     )
     keys["eval"] = stable_hash({"train": keys["train"], "eval": _subtree(cfg, "eval"), "code": CODE_VERSION["eval"]})
     keys["serve"] = stable_hash(

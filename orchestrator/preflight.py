@@ -447,13 +447,130 @@ def run_checks(cfg: RootConfig, plan, draft_dir: str | None = None) -> list[Find
     if (extract_dir / MANIFEST).exists():
         findings += extraction_findings(cfg, extract_dir, target_dir)
     draft = Path(draft_dir) if draft_dir else plan.dir("train") / "draft"
-    if (draft / "config.json").exists():
+    if (draft / "config.json").exists() and draft_dir and not (draft / "orchestrator.json").exists():
+        findings += foreign_draft_findings(cfg, draft, target_dir)  # a draft trained elsewhere
+        findings += loader_findings(cfg, draft, target_dir)
+    elif (draft / "config.json").exists():
         findings += draft_findings(cfg, draft, target_dir, as_served=not draft_dir)
         if draft_dir:
             findings += loader_findings(cfg, draft, target_dir)
     elif draft_dir:
         findings.append(Finding("draft config", False, f"check_draft={draft_dir}: no config.json there"))
     return findings
+
+
+def foreign_draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -> list[Finding]:
+    """`check_draft=` on a draft trained elsewhere (no provenance: SGLang/SpecForge, vLLM or speculators format):
+    prints which target layers each engine, version and runner would feed it, and, where the target is here and
+    HF loads it, finds the layers it was trained on from acc_0 on the target's own states under each reading
+    (`orchestrator.draft.readings`); refuses serve.engine where it would feed other layers than `aux_layers`, or
+    than the layers found."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from orchestrator.draft import formats, readings
+
+    t, s = cfg.target, cfg.serve
+    n = t.num_hidden_layers
+    fmt = formats.draft_format(draft_dir)
+    conf = read_json(draft_dir / "config.json", "draft config")
+    rows = readings.engine_readings(conf, n, t.family, {"sglang": s.sglang_version, "vllm": s.vllm_version})
+    table = Table(title=f"what each engine would feed {draft_dir} ({fmt} format, {t.family}, {n} layers)")
+    for col in ("engine", "version", "runner", "reads", "ids", "feeds (canonical)"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        fed = (str(list(r.layers)) if r.layers is not None else "-") + (f" ({r.error})" if r.error else "")
+        table.add_row(r.engine, r.version, r.runner, r.source, str(list(r.ids)), fed)
+    Console(width=200).print(table)
+    out = [Finding("draft format", True, f"{draft_dir}: {fmt} format, no {PROVENANCE_NAME}: trained elsewhere")]
+    found = None
+    why_not = _why_no_search(cfg, target_dir)
+    if why_not is None:
+        result = trained_layers_search(cfg, draft_dir, target_dir, rows)
+        found = result["found"]
+        title = f"acc_0 of {draft_dir} on the target's own states, by reading ({result['sequences']} sequences)"
+        table = Table(title=title)
+        for col in ("layers (canonical)", "acc_0", "se", "positions", "as read by"):
+            table.add_column(col, overflow="fold")
+        for row in result["rows"]:
+            table.add_row(str(row["layers"]), f"{row['acc_0']:.4f}", f"{row['se']:.4f}", str(row["positions"]),
+                          ", ".join(row["readings"]) or "(an id shifted)")  # fmt: skip
+        Console(width=200).print(table)
+        if found is None:
+            out.append(Finding("trained layers", True, f"{draft_dir}: {result['why']}"))
+        else:
+            agrees = found == list(cfg.aux_layers)
+            out.append(
+                Finding(
+                    "trained layers",
+                    agrees,
+                    f"{draft_dir}: trained on {found} by acc_0, {result['why']}; aux_layers={list(cfg.aux_layers)}",
+                    "" if agrees else f"set aux_layers={found}",
+                )
+            )
+    else:
+        out.append(Finding("trained layers", True, f"{draft_dir}: not searched: {why_not}"))
+    expected = found if found is not None else list(cfg.aux_layers)
+    whose = "the layers found" if found is not None else "aux_layers"
+    for r in rows:
+        if layer_contract.id_convention(s.engine) != r.engine or r.version != s.engine_version:
+            continue
+        ok = r.layers is not None and list(r.layers) == expected and not r.error
+        runner = "" if r.runner == "-" else f" ({r.runner})"
+        fed = r.error or f"it would feed {list(r.layers)}"
+        out.append(
+            Finding(
+                "layer ids",
+                ok,
+                f"serve.engine={s.engine} {r.version}{runner} reads {r.source} {list(r.ids)}: {fed}; {whose}: "
+                f"{expected}",
+                ""
+                if ok
+                else f"write ids for {expected} in {s.engine}'s convention where it reads them, or serve it "
+                "where they mean those layers (the table above)",
+            )
+        )
+    return out
+
+
+PROVENANCE_NAME = "orchestrator.json"
+
+
+def _why_no_search(cfg: RootConfig, target_dir: Path) -> str | None:
+    """Why the trained-layers search cannot run here (it loads the target with HF and runs it), or None."""
+    if not (Path(target_dir) / "config.json").exists():
+        return f"no target at {target_dir}"
+    quant = quantization_of(Path(target_dir))
+    if quant is not None:
+        return f"the target is quantized ({quant}): HF transformers would load its experts random"
+    bad = [f for f in memory_findings(cfg, Path(target_dir)) if not f.ok]
+    if bad:
+        return f"the target does not fit this machine's memory for HF ({bad[0].message})"
+    return None
+
+
+def trained_layers_search(cfg: RootConfig, draft_dir: Path, target_dir: Path, rows) -> dict[str, Any]:
+    """`readings.find_trained` on the target's own greedy answers (eval.max_new_tokens each) to eval's validation
+    prompts (eval.max_conversations), the text a served draft drafts, on the CPU in float32."""
+    import torch
+
+    from orchestrator.data import conversations, prompt_ids
+    from orchestrator.draft import formats, readings
+    from orchestrator.targets import load_target
+
+    model, tokenizer = load_target(Path(target_dir), cfg.target.trust_remote_code, None, cfg.data.chat_template)
+    draft, _, _ = formats.read_draft(draft_dir, Path(target_dir))
+    _, val = conversations(cfg.data, cfg.seed)
+    sequences = []
+    eos = tokenizer.eos_token_id
+    for conv in val[: cfg.eval.max_conversations]:
+        prompt = torch.tensor([prompt_ids(tokenizer, conv, cfg.data.max_seq_len)])
+        with torch.no_grad():
+            ids = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=cfg.eval.max_new_tokens,
+                                 do_sample=False, eos_token_id=eos, pad_token_id=eos)[0].tolist()  # fmt: skip
+        sequences.append((ids, [0] * prompt.shape[1] + [1] * (len(ids) - prompt.shape[1])))
+    found = readings.find_trained(model, draft, rows, cfg.target.num_hidden_layers, sequences, model.device)
+    return found | {"sequences": len(sequences)}
 
 
 def loader_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -> list[Finding]:

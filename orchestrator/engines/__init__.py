@@ -85,6 +85,16 @@ class Engine:
     def id_rule(self, family: str, version: str | None) -> IdRule:
         raise self._missing("layer-id rule")
 
+    def config_ids(self, conf: dict[str, Any], num_layers: int) -> list[tuple[str, str, list[int]]]:
+        """How the engine reads a draft config's layer ids, per runner: (runner, where the ids came from, the ids
+        it captures with), the target's defaults where it finds none. Empty: the engine reads no draft configs."""
+        return []
+
+    def rule_versions(self, family: str, version: str) -> dict[str, str]:
+        """The versions whose id rules differ for `family`, by a label: the pinned one, and older rules still in
+        use (a draft written for them reads other layers)."""
+        return {version: version}
+
     def installed_version(self, python: str) -> str | None:
         """The engine's version as installed in the environment of `python`, from its package metadata; None where
         that environment does not exist or the engine runs in the project's own."""

@@ -16,6 +16,12 @@ def sglang_rule(family: str, version: str | None) -> IdRule:
         raise LayerContractError(
             f"no SGLang layer-id rule recorded for model family {family!r}; known: {layer_contract.SGLANG_FAMILIES}"
         )
+    if version is not None and layer_contract.parse_version(version)[:3] > layer_contract.SGLANG_CHECKED_UNTIL:
+        read = ".".join(map(str, layer_contract.SGLANG_CHECKED_UNTIL))
+        raise LayerContractError(
+            f"no SGLang layer-id rule recorded for version {version} (its model code was read up to {read}); serve "
+            f"with sglang {read}, or record the new version's rule in orchestrator/layers.py from its model code"
+        )
     if family == "llama":
         return layer_contract.SGLANG_SHIFT
     if version is None:
@@ -26,6 +32,29 @@ def sglang_rule(family: str, version: str | None) -> IdRule:
         if layer_contract.parse_version(version) >= since
         else layer_contract.SGLANG_SHIFT
     )
+
+
+def sglang_rule_versions(family: str, version: str) -> dict[str, str]:
+    """The pinned version, and for the DeepSeek/Kimi family the releases before PR #25454, whose rule differs."""
+    if family == "llama":
+        return {version: version}
+    major, minor, patch = layer_contract.SGLANG_FIRST_ID_SINCE
+    return {version: version, f"< {major}.{minor}.{patch}": f"{major}.{minor}.{patch - 1}"}
+
+
+def sglang_config_ids(conf, num_layers):
+    """SGLang 0.5.23 reads a draft's ids from eagle_config.eagle_aux_hidden_state_layer_ids only
+    (srt/model_executor/model_runner_components/spec_aux_hidden_state.py, `resolve_spec_aux_hidden_state_config`;
+    a top-level key only sizes the fc). With none, every family's `set_eagle3_layers_to_capture(None)` captures
+    before layers [2, N//2, N-3] with no shift (llama.py, deepseek_v2.py): returned here as the ids whose decoding
+    by every family's rule names those states (entering layer j is canonical j-1, and the Llama rule's id)."""
+    from orchestrator.draft.export import nested_ids
+
+    ids = nested_ids(conf)
+    if ids:
+        return [("-", "eagle_config.eagle_aux_hidden_state_layer_ids", ids)]
+    n = num_layers
+    return [("-", f"no ids: captures before layers [2, {n // 2}, {n - 3}]", [1, n // 2 - 1, n - 4])]
 
 
 class SGLang(Engine):
@@ -42,6 +71,12 @@ class SGLang(Engine):
 
     def id_rule(self, family, version):
         return sglang_rule(family, version)
+
+    def config_ids(self, conf, num_layers):
+        return sglang_config_ids(conf, num_layers)
+
+    def rule_versions(self, family, version):
+        return sglang_rule_versions(family, version)
 
     def check_config(self, cfg):
         from orchestrator.serving import sglang

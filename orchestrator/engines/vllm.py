@@ -33,6 +33,32 @@ def vllm_rule(family: str, version: str | None) -> IdRule:
     return layer_contract.VLLM_ENTERING if family == "llama" else layer_contract.VLLM_DEEPSEEK
 
 
+def vllm_config_ids(conf: dict, num_layers: int) -> list[tuple[str, str, list[int]]]:
+    """Where each of vLLM 0.32's runners reads a draft config's ids (the EAGLE-3 keys of
+    `GPUModelRunner._get_eagle3_aux_layers_from_config` and of Model Runner V2's
+    `get_eagle3_aux_layers_from_config`; the DFlash and DSpark keys, which EAGLE-3 drafts do not carry, are left
+    out), the target's defaults `(2, N//2, N-3)` where a runner finds none. tests/test_vllm.py holds this reading
+    to vLLM's own functions on published drafts' configs."""
+    top = conf.get("eagle_aux_hidden_state_layer_ids")
+    eagle = conf.get("eagle_config") if isinstance(conf.get("eagle_config"), dict) else {}
+    defaults = [2, num_layers // 2, num_layers - 3]
+    if top:
+        v1 = ("top-level eagle_aux_hidden_state_layer_ids", list(top))
+    elif eagle.get("eagle_aux_hidden_state_layer_ids"):
+        v1 = ("eagle_config.eagle_aux_hidden_state_layer_ids", list(eagle["eagle_aux_hidden_state_layer_ids"]))
+    else:
+        v1 = ("no ids: its defaults", defaults)
+    if top:
+        mrv2 = ("top-level eagle_aux_hidden_state_layer_ids", list(top))
+    elif conf.get("target_layer_ids"):
+        mrv2 = ("target_layer_ids (+1)", [i + 1 for i in conf["target_layer_ids"]])
+    elif eagle.get("layer_ids"):
+        mrv2 = ("eagle_config.layer_ids", list(eagle["layer_ids"]))
+    else:
+        mrv2 = ("no ids: its defaults", defaults)
+    return [("V1", *v1), ("MRV2", *mrv2)]
+
+
 def capture_ids(cfg, layers: list[int]) -> list[int]:
     """The vLLM ids an extract.engine=vllm extraction captures: `layers`, then the last layer's output (id N, the
     teacher's source), in vLLM's rule for the target's family."""
@@ -57,6 +83,9 @@ class VLLM(Engine):
 
     def id_rule(self, family, version):
         return vllm_rule(family, version)
+
+    def config_ids(self, conf, num_layers):
+        return vllm_config_ids(conf, num_layers)
 
     # ---------------------------------------------------------------------------------------- serving
     def check_config(self, cfg):

@@ -460,6 +460,8 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             f"{extract_dir}/manifest.json: tokenizer_hash {manifest['tokenizer_hash']} differs from the target's "
             f"tokenizer at {target_path} ({tok_hash}); the extracted token ids do not mean the same tokens. Re-extract."
         )
+    if tc.from_draft is not None:
+        return import_draft(cfg, plan, manifest, target_path) if compute.is_main else {}
     verify_shards(extract_dir, manifest, compute)
     train_seqs = load_split(extract_dir, manifest, "train", list(tc.layers), verify=False)
     val_seqs = load_split(extract_dir, manifest, "val", list(tc.layers), verify=False)
@@ -618,6 +620,39 @@ def export_draft(
         f"val_{k}": v for k, v in final.items()
     }
     result["headline"] = {k: final[k] for k in ("acc_0", "acc_1", "acc_2", "expected_accept_length") if k in final}
+    return result
+
+
+def import_draft(cfg: RootConfig, plan, manifest: dict, target_path: Path) -> dict[str, Any]:
+    """train.from_draft: a draft trained elsewhere, written as this stage's draft (the project's format, the ids of
+    `train.layers` for serve.engine, provenance naming the folder it came from) instead of training one, so that
+    eval and serve measure it on this target and data like a trained draft. Its TTT depth is not known."""
+    from orchestrator.draft import formats
+
+    t, s = cfg.target, cfg.serve
+    ids = layer_contract.to_engine_ids(s.engine, cfg.train.layers, t.num_hidden_layers, t.family, s.engine_version)
+    provenance = {
+        "aux_layers": list(cfg.train.layers),
+        "serving": draft_export.serving_record(s, t.family, ids),
+        "target": manifest["target"],
+        "tokenizer_hash": manifest["tokenizer_hash"],
+        "teacher": manifest["teacher"],
+        "data": manifest.get("data"),
+        "extract_key": manifest["key"],
+        "train_key": plan.stage_keys["train"],
+    }
+    out = plan.dir("train")
+    draft_dir = out / "draft"
+    formats.import_draft(
+        Path(cfg.train.from_draft), draft_dir, target_path, list(cfg.train.layers), ids,
+        layer_contract.id_convention(s.engine), provenance,
+    )  # fmt: skip
+    result = {"draft_dir": str(draft_dir), "eagle_aux_hidden_state_layer_ids": ids}
+    result["imported_from"] = cfg.train.from_draft
+    write_manifest(
+        out, {"stage": "train", "key": plan.stage_keys["train"], "extract_key": manifest["key"], "result": result}
+    )
+    print(f"[train] imported {cfg.train.from_draft} as reading aux_layers={list(cfg.train.layers)}: {draft_dir}")
     return result
 
 

@@ -1,0 +1,126 @@
+"""Drafts trained elsewhere: which target layers each engine would feed them (published drafts' own config.json
+files, tests/data/drafts/published/SOURCES.md), the search for the layers a draft was trained on, and such a
+draft measured by eval in place of a trained one (train.from_draft)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from orchestrator import preflight
+from orchestrator.artifacts import read_json
+from orchestrator.draft import formats, readings
+from orchestrator.pipeline import make_plan, run_pipeline
+
+PUBLISHED = Path(__file__).parent / "data" / "drafts" / "published"
+PINS = {"sglang": "0.5.23", "vllm": "0.32.0"}
+
+
+def _fed(conf: dict, n: int, family: str) -> dict[str, list[int] | None]:
+    return {
+        r.label: (list(r.layers) if r.layers is not None else None)
+        for r in readings.engine_readings(conf, n, family, PINS)
+    }
+
+
+def test_aq_medais_kimi_draft_is_fed_layers_1_29_57_today_and_2_30_58_before_sglangs_first_id_rule():
+    """AQ-MedAI's Kimi-K2.5 draft ships nested ids [2, 30, 58] and no record of its layers. SGLang 0.5.23 reads
+    them entering layers 2, 30, 58 (the first id is not 1: no shift), i.e. the outputs of layers 1, 29, 57;
+    SGLang before 0.5.13 shifted every id: outputs of 2, 30, 58. vLLM's V1 runner reads the nested key (the same
+    states as SGLang 0.5.23); its Model Runner V2 reads no nested key and captures its defaults (2, 30, 58), which
+    for Kimi's 61 layers happen to be the same states."""
+    conf = json.loads((PUBLISHED / "AQ-MedAI__Kimi-K25-eagle3" / "config.json").read_text())
+    assert formats.draft_format(PUBLISHED / "AQ-MedAI__Kimi-K25-eagle3") == "sglang"
+    assert _fed(conf, 61, "kimi_k25") == {
+        "sglang 0.5.23": [1, 29, 57],
+        "sglang < 0.5.13": [2, 30, 58],
+        "vllm 0.32.0 V1": [1, 29, 57],
+        "vllm 0.32.0 MRV2": [1, 29, 57],
+    }
+    sources = {r.label: r.source for r in readings.engine_readings(conf, 61, "kimi_k25", PINS)}
+    assert sources["vllm 0.32.0 MRV2"] == "no ids: its defaults", sources
+
+
+def test_a_speculators_draft_without_ids_is_fed_each_engines_defaults():
+    """nm-testing's converted Llama-3.1-8B draft (speculators format) carries no ids anywhere: every engine feeds
+    it its defaults, SGLang and vLLM the same states for a Llama ([2, 16, 29] entering: outputs 1, 15, 28)."""
+    folder = PUBLISHED / "nm-testing__EAGLE3-LLaMA3.1-Instruct-8B-converted"
+    assert formats.draft_format(folder) == "speculators"
+    conf = json.loads((folder / "config.json").read_text())
+    assert _fed(conf, 32, "llama") == {
+        "sglang 0.5.23": [1, 15, 28],
+        "vllm 0.32.0 V1": [1, 15, 28],
+        "vllm 0.32.0 MRV2": [1, 15, 28],
+    }
+    project = formats.project_config(conf, "speculators")
+    assert project["hidden_size"] == 4096 and project["draft_vocab_size"] == 32000
+    assert project["architectures"] == ["LlamaForCausalLMEagle3"]
+
+
+def test_the_candidates_are_every_reading_and_each_id_shifted_by_one():
+    conf = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 4, 6]}}
+    rows = readings.engine_readings(conf, 8, "llama", PINS)
+    options = readings.candidates(rows, 8, 3)
+    assert options[(1, 4, 6)] == ["sglang 0.5.23"]  # SGLang's Llama rule: id i is the output of layer i
+    assert options[(0, 3, 5)] == ["vllm 0.32.0 V1"]  # vLLM's: the state entering layer i
+    assert options[(1, 3, 4)] == ["vllm 0.32.0 MRV2"]  # no nested key read: the defaults (2, 4, 5)
+    assert (2, 5, 7) in options and (0, 4, 6) in options and (-1, 3, 5) in options
+    assert all(list(k) == sorted(set(k)) and -1 <= k[0] and k[-1] <= 7 for k in options)
+
+
+def test_a_reading_is_named_only_when_it_leads_every_other_by_three_standard_errors():
+    """Paired over the same sequences: a lead of 5 right tokens per 100 on every one of 40 sequences is clear; the
+    same mean lead, alternating +25 and -15, is within the noise."""
+    clear = [
+        {"layers": [1, 4, 6], "acc_0": 0.55, "per_sequence": [(55, 100)] * 40},
+        {"layers": [1, 4, 5], "acc_0": 0.50, "per_sequence": [(50, 100)] * 40},
+    ]
+    assert readings.verdict(clear)[0] == [1, 4, 6]
+    noisy = [
+        {"layers": [1, 4, 6], "acc_0": 0.55, "per_sequence": [(75, 100), (35, 100)] * 20},
+        {"layers": [1, 4, 5], "acc_0": 0.50, "per_sequence": [(50, 100)] * 40},
+    ]
+    found, why = readings.verdict(noisy)
+    assert found is None and why.startswith("cannot tell"), why
+
+
+def _relabeled(trained: Path, dest: Path) -> Path:
+    """The trained draft as another tool would ship it: no provenance, its ids rewritten in vLLM's convention
+    (both keys), the weights untouched."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy2(trained / name, dest / name)
+    conf = read_json(dest / "config.json", "c")
+    conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = conf["eagle_aux_hidden_state_layer_ids"] = [2, 5, 7]
+    (dest / "config.json").write_text(json.dumps(conf))
+    return dest
+
+
+def test_a_relabeled_draft_is_read_searched_and_measured_by_eval_like_the_trained_one(fast_cache, tiny_config,
+                                                                                      tmp_path):  # fmt: skip
+    """The FAST draft (trained on [1, 4, 6]) relabeled: `check_draft=` prints each engine's reading (vLLM reads
+    [2, 5, 7] as the trained layers; SGLang's Llama rule captures two states only, id 7 being the last layer), runs
+    the acc_0 search without naming a wrong reading, and refuses serve.engine=reference, which reads SGLang's
+    convention. Imported with train.from_draft (aux_layers [1, 4, 6]), eval measures exactly what it measures for
+    the trained draft: the same weights fed the same states."""
+    outputs = fast_cache("extract", "train", "eval")
+    cfg = tiny_config("cluster=local")
+    plan = make_plan(cfg, tmp_path / "run")
+    draft = _relabeled(plan.dir("train") / "draft", tmp_path / "relabeled")
+    findings = preflight.run_checks(cfg, plan, str(draft))
+    by = {f.category: f for f in findings if f.category in ("draft format", "trained layers")}
+    assert by["draft format"].ok and "vllm format" in by["draft format"].message
+    trained = by["trained layers"].message
+    assert "cannot tell" in trained or "trained on [1, 4, 6]" in trained, trained
+    refused = [f for f in findings if f.category == "layer ids" and not f.ok]
+    assert len(refused) == 1 and "captures 2 states for 3 ids" in refused[0].message, refused
+
+    stages = ("cluster=local", f"outputs_dir={outputs}", "stages=[extract,train,eval]")
+    original = run_pipeline(tiny_config(*stages), tmp_path / "trained")["stages"]["eval"]
+    summary = run_pipeline(tiny_config(*stages, f"train.from_draft={draft}"), tmp_path / "imported")
+    assert summary["stages"]["train"]["imported_from"] == str(draft)
+    imported = summary["stages"]["eval"]
+    for key in ("acc_0", "acc_1", "expected_accept_length", "trained_states_acc_0"):
+        assert imported[key] == original[key], key
+    assert imported["mismatch"] is False
