@@ -483,6 +483,18 @@ def foreign_draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -
         table.add_row(r.engine, r.version, r.runner, r.source, str(list(r.ids)), fed)
     Console(width=200).print(table)
     out = [Finding("draft format", True, f"{draft_dir}: {fmt} format, no {PROVENANCE_NAME}: trained elsewhere")]
+    if layer_contract.id_convention(s.engine) == "sglang":  # SGLang's loader, and the reference engine's
+        from orchestrator.draft import export as draft_export
+        from orchestrator.targets import target_config_json
+
+        tconf = target_config_json(target_dir) if (Path(target_dir) / "config.json").exists() else None
+        problems = (
+            [f"{fmt} format: SGLang loads {draft_export.ARCHITECTURE} drafts only"]
+            if fmt == "speculators"
+            else draft_export.validate_draft_dir(draft_dir, tconf)
+        )
+        fix = "import it with train.from_draft=<dir>: the train stage writes it in SGLang's format"
+        out += [Finding("draft config", False, f"{draft_dir}: {p}", fix) for p in problems]
     found = None
     why_not = _why_no_search(cfg, target_dir)
     if why_not is None:
@@ -490,11 +502,12 @@ def foreign_draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -
         found = result["found"]
         title = f"acc_0 of {draft_dir} on the target's own states, by reading ({result['sequences']} sequences)"
         table = Table(title=title)
-        for col in ("layers (canonical)", "acc_0", "se", "positions", "as read by"):
+        for col in ("layers (canonical)", "acc_0", "se", "behind the first (paired se)", "positions", "as read by"):
             table.add_column(col, overflow="fold")
         for row in result["rows"]:
-            table.add_row(str(row["layers"]), f"{row['acc_0']:.4f}", f"{row['se']:.4f}", str(row["positions"]),
-                          ", ".join(row["readings"]) or "(an id shifted)")  # fmt: skip
+            behind = f"{row['behind']:.4f} ({row['behind_se']:.4f})"
+            table.add_row(str(row["layers"]), f"{row['acc_0']:.4f}", f"{row['se']:.4f}", behind, str(row["positions"]),
+                          ", ".join(row["readings"]) or "(a reading shifted by one)")  # fmt: skip
         Console(width=200).print(table)
         if found is None:
             out.append(Finding("trained layers", True, f"{draft_dir}: {result['why']}"))

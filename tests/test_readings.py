@@ -5,8 +5,9 @@ draft measured by eval in place of a trained one (train.from_draft)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
+
+import pytest
 
 from orchestrator import preflight
 from orchestrator.artifacts import read_json
@@ -58,15 +59,19 @@ def test_a_speculators_draft_without_ids_is_fed_each_engines_defaults():
     assert project["architectures"] == ["LlamaForCausalLMEagle3"]
 
 
-def test_the_candidates_are_every_reading_and_each_id_shifted_by_one():
+def test_the_candidates_are_every_reading_and_it_shifted_by_one():
     conf = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 4, 6]}}
     rows = readings.engine_readings(conf, 8, "llama", PINS)
     options = readings.candidates(rows, 8, 3)
-    assert options[(1, 4, 6)] == ["sglang 0.5.23"]  # SGLang's Llama rule: id i is the output of layer i
-    assert options[(0, 3, 5)] == ["vllm 0.32.0 V1"]  # vLLM's: the state entering layer i
-    assert options[(1, 3, 4)] == ["vllm 0.32.0 MRV2"]  # no nested key read: the defaults (2, 4, 5)
-    assert (2, 5, 7) in options and (0, 4, 6) in options and (-1, 3, 5) in options
-    assert all(list(k) == sorted(set(k)) and -1 <= k[0] and k[-1] <= 7 for k in options)
+    assert options == {
+        (1, 4, 6): ["sglang 0.5.23"],  # SGLang's Llama rule: id i is the output of layer i
+        (0, 3, 5): ["vllm 0.32.0 V1"],  # vLLM's: the state entering layer i
+        (2, 5, 7): [],
+        (-1, 2, 4): [],
+        (1, 3, 4): ["vllm 0.32.0 MRV2"],  # no nested key read: its defaults (2, 4, 5)
+        (0, 2, 3): [],
+        (2, 4, 5): [],
+    }
 
 
 def test_a_reading_is_named_only_when_it_leads_every_other_by_three_standard_errors():
@@ -85,18 +90,6 @@ def test_a_reading_is_named_only_when_it_leads_every_other_by_three_standard_err
     assert found is None and why.startswith("cannot tell"), why
 
 
-def _relabeled(trained: Path, dest: Path) -> Path:
-    """The trained draft as another tool would ship it: no provenance, its ids rewritten in vLLM's convention
-    (both keys), the weights untouched."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy2(trained / name, dest / name)
-    conf = read_json(dest / "config.json", "c")
-    conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = conf["eagle_aux_hidden_state_layer_ids"] = [2, 5, 7]
-    (dest / "config.json").write_text(json.dumps(conf))
-    return dest
-
-
 def test_a_relabeled_draft_is_read_searched_and_measured_by_eval_like_the_trained_one(fast_cache, tiny_config,
                                                                                       tmp_path):  # fmt: skip
     """The FAST draft (trained on [1, 4, 6]) relabeled: `check_draft=` prints each engine's reading (vLLM reads
@@ -107,7 +100,9 @@ def test_a_relabeled_draft_is_read_searched_and_measured_by_eval_like_the_traine
     outputs = fast_cache("extract", "train", "eval")
     cfg = tiny_config("cluster=local")
     plan = make_plan(cfg, tmp_path / "run")
-    draft = _relabeled(plan.dir("train") / "draft", tmp_path / "relabeled")
+    draft = tmp_path / "relabeled"
+    assert formats.relabel(plan.dir("train") / "draft", draft, "vllm", "llama", 8, "0.32.0") == [2, 5, 7]
+    assert not (draft / "orchestrator.json").exists()
     findings = preflight.run_checks(cfg, plan, str(draft))
     by = {f.category: f for f in findings if f.category in ("draft format", "trained layers")}
     assert by["draft format"].ok and "vllm format" in by["draft format"].message
@@ -124,3 +119,51 @@ def test_a_relabeled_draft_is_read_searched_and_measured_by_eval_like_the_traine
     for key in ("acc_0", "acc_1", "expected_accept_length", "trained_states_acc_0"):
         assert imported[key] == original[key], key
     assert imported["mismatch"] is False
+
+
+SPECULATORS = Path(__file__).parent / "data" / "drafts" / "speculators_0.9.0"
+
+
+def test_speculators_own_exports_are_read_and_imported_with_their_ids_or_each_engines_defaults(fast_cache,
+                                                                                                tiny_config,
+                                                                                                tmp_path):  # fmt: skip
+    """speculators 0.9.0's converter, run on the FAST draft (tests/data/drafts/speculators_0.9.0/SOURCE.md), with
+    the ids passed (top-level [2, 5, 7]: vLLM's runners feed the trained [1, 4, 6]; SGLang reads no nested key and
+    captures its defaults) and without (null: every engine its defaults). Its weights, renamed from `layers.0.*`,
+    load into the project's draft whole, and import as a project draft whose ids every runner reads."""
+    from safetensors.torch import load_file
+
+    from orchestrator.draft import export as draft_export
+
+    fast_cache("extract")
+    cfg = tiny_config("cluster=local")
+    target = Path(make_plan(cfg, tmp_path).target_dir)
+    with_ids, no_ids = SPECULATORS / "with_ids", SPECULATORS / "no_ids"
+    assert formats.draft_format(with_ids) == formats.draft_format(no_ids) == "speculators"
+    assert _fed(read_json(with_ids / "config.json", "c"), 8, "llama") == {
+        "sglang 0.5.23": [1, 3, 4],
+        "vllm 0.32.0 V1": [1, 4, 6],
+        "vllm 0.32.0 MRV2": [1, 4, 6],
+    }
+    assert list(_fed(read_json(no_ids / "config.json", "c"), 8, "llama").values()) == [[1, 3, 4]] * 3
+    model, conf, fmt = formats.read_draft(with_ids, target)
+    saved = load_file(str(with_ids / "model.safetensors"))
+    assert fmt == "speculators" and conf["hidden_size"] == 128 and model.shape.num_aux_layers == 3
+    assert (model.midlayer.mlp.up_proj.weight == saved["layers.0.mlp.up_proj.weight"]).all()
+    assert (model.fc.weight == saved["fc.weight"]).all() and (model.d2t == saved["d2t"]).all()
+
+    out = tmp_path / "imported"
+    formats.import_draft(with_ids, out, target, [1, 4, 6], [2, 5, 7], "vllm", {"aux_layers": [1, 4, 6]})
+    written = read_json(out / "config.json", "c")
+    assert written["eagle_aux_hidden_state_layer_ids"] == written["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert draft_export.validate_draft_dir(out, read_json(target / "config.json", "t")) == []
+    assert draft_export.provenance(out)["imported"] == {"from": str(with_ids), "format": "speculators"}
+    with pytest.raises(Exception, match="takes 3 states"):
+        formats.import_draft(with_ids, tmp_path / "two", target, [1, 4], [2, 5], "vllm", {})
+
+
+def test_train_from_draft_names_the_key_when_no_draft_is_there(tiny_config, tmp_path):
+    from orchestrator.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.from_draft=.*: no draft there"):
+        tiny_config(f"train.from_draft={tmp_path / 'nothing'}")

@@ -354,3 +354,36 @@ def test_sglang_parser_errors_come_back(sglang_python):
         sglang.validate_with_sglang(python, argv)
     with pytest.raises(ServingRefused, match="--speculative-num-steps: invalid int value"):
         sglang.validate_with_sglang(python, argv[:5] + ["--speculative-num-steps", "three"])
+
+
+@pytest.mark.sglang
+def test_sglang_reads_a_drafts_ids_where_the_project_says_it_does(sglang_python, fast_cache, tiny_config, tmp_path):
+    """SGLang 0.5.23's own reading of the draft config (`resolve_spec_aux_hidden_state_config`, tests/
+    sglang_ids_probe.py), held to the project's (`engines.sglang.sglang_config_ids`): the nested key of an SGLang
+    export; the nested key again, not the top-level one, of a vLLM export (both keys, here relabeled); nothing from
+    speculators' export, whose ids are top-level only, so SGLang serves it on its defaults."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from orchestrator.draft import formats
+    from orchestrator.engines.sglang import sglang_config_ids
+    from orchestrator.pipeline import make_plan
+
+    fast_cache("extract", "train")
+    cfg = tiny_config("cluster=local")
+    plan = make_plan(cfg, tmp_path)
+    trained = plan.dir("train") / "draft"
+    vllm_export = tmp_path / "vllm_export"
+    formats.relabel(trained, vllm_export, "vllm", "llama", 8, "0.32.0")
+    speculators = Path(__file__).parent / "data" / "drafts" / "speculators_0.9.0" / "with_ids"
+    drafts = [trained, vllm_export, speculators]
+    probe = Path(__file__).parent / "sglang_ids_probe.py"
+    proc = subprocess.run([sglang_python, str(probe), plan.target_dir, *map(str, drafts)], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sglangs = json.loads(proc.stdout.splitlines()[-1])
+    assert sglangs == {str(trained): [1, 4, 6], str(vllm_export): [2, 5, 7], str(speculators): None}
+    for draft in drafts:
+        [(_, source, ids)] = sglang_config_ids(json.loads((draft / "config.json").read_text()), 8)
+        assert (None if source.startswith("no ids") else ids) == sglangs[str(draft)], draft

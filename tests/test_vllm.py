@@ -367,7 +367,8 @@ def test_an_extraction_by_vllm_equals_the_hf_extraction(vllm_python, fast_cache,
     assert not (folders["vllm"] / "vllm_states").exists()
     manifest = read_json(folders["vllm"] / "manifest.json", "manifest")
     assert manifest["capture_engine"] == {
-        "name": "vllm", "vllm_version": "0.32.0", "ids": [2, 5, 7, 8], "mode": "capture"
+        "name": "vllm", "vllm_version": "0.32.0", "installed_version": "0.32.0", "ids": [2, 5, 7, 8],
+        "mode": "capture",
     }  # fmt: skip
     assert read_json(folders["hf"] / "manifest.json", "manifest")["capture_engine"] == {"name": "hf"}
     shards = sorted(p.relative_to(folders["hf"]) for p in folders["hf"].glob("*/shard_*.safetensors"))

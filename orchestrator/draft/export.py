@@ -125,7 +125,8 @@ def write_layer_ids(conf: dict[str, Any], ids: list[int], convention: str) -> di
     """Writes `ids` where the runners of `convention`'s engine read them, all equal: the nested key (SGLang, vLLM's
     V1) always, and for vLLM the top-level key as well (its Model Runner V2 reads no other). An SGLang draft carries
     no top-level key, which vLLM would read before the nested one."""
-    conf.setdefault("eagle_config", {})["eagle_aux_hidden_state_layer_ids"] = list(ids)
+    rest = {k: v for k, v in (conf.get("eagle_config") or {}).items() if k != "eagle_aux_hidden_state_layer_ids"}
+    conf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(ids), **rest}
     if convention == "vllm":
         conf[TOP_LEVEL_IDS] = list(ids)
     else:

@@ -139,3 +139,22 @@ def import_draft(
     )  # fmt: skip
     draft_export.export(model, Path(dst), out, provenance | {"imported": {"from": str(src), "format": fmt}}, tconf)
     return out
+
+
+def relabel(src: Path, dst: Path, engine: str, family: str, num_layers: int, version: str | None) -> list[int]:
+    """The project's trained draft at `src` as another tool ships one: no provenance, its trained layers written as
+    `engine`'s ids (at `version`, where every runner of that engine reads them), the weights as they are. Returns
+    the ids. What `check_draft=`'s search is tested on (tests/test_readings.py, scripts/find_trained_layers.py)."""
+    import shutil
+
+    from orchestrator import layers as layer_contract
+    from orchestrator.artifacts import write_json
+
+    src, dst = Path(src), Path(dst)
+    trained = draft_export.provenance(src)["aux_layers"]
+    ids = layer_contract.to_engine_ids(engine, trained, num_layers, family, version)
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src / "model.safetensors", dst / "model.safetensors")
+    conf = json.loads((src / "config.json").read_text())
+    write_json(dst / "config.json", draft_export.write_layer_ids(conf, ids, layer_contract.id_convention(engine)))
+    return ids

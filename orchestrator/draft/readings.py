@@ -7,7 +7,7 @@ convention, or none, and no record of the layers it was trained on. Two answers,
                       reads the ids (`Engine.config_ids`) decoded by its rule for the family at that version
     find_trained      the layers its weights agree with: acc_0 (the first draft token's top-1 agreement with the
                       target's greedy token) of the draft fed the target's own states under each candidate
-                      reading (every engine reading, and each id of it shifted by -1, 0 or +1), with its standard
+                      reading (every engine reading, and it with every id shifted by -1 and +1), with its standard
                       error; a reading is named only when it is ahead of every other by `MARGIN` standard errors
                       of the paired difference, with sequences as the units (a draft is right or wrong on runs of
                       tokens, so tokens are not independent)
@@ -15,7 +15,6 @@ convention, or none, and no record of the layers it was trained on. Two answers,
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -67,14 +66,15 @@ def engine_readings(conf: dict[str, Any], num_layers: int, family: str, versions
 
 def candidates(readings: list[Reading], num_layers: int, num_aux: int) -> dict[tuple[int, ...], list[str]]:
     """The canonical layer lists to try, each with the readings it comes from: every engine reading of the right
-    length, and each of its ids shifted by -1, 0 or +1 (valid, ascending lists only)."""
+    length, and it with every id shifted by -1 and by +1 (where valid): the engines' conventions differ from one
+    another by such shifts, so a reading of a convention nobody listed is tried too."""
     out: dict[tuple[int, ...], list[str]] = {}
     for r in readings:
         if r.layers is None or len(r.layers) != num_aux:
             continue
         out.setdefault(r.layers, []).append(r.label)
-        for shift in itertools.product((-1, 0, 1), repeat=num_aux):
-            layers = tuple(k + d for k, d in zip(r.layers, shift))
+        for shift in (-1, 1):
+            layers = tuple(k + shift for k in r.layers)
             try:
                 layer_contract.validate_canonical(layers, num_layers)
             except layer_contract.LayerContractError:
@@ -157,4 +157,6 @@ def find_trained(model, draft, readings: list[Reading], num_layers: int, sequenc
         row["readings"] = options[tuple(row["layers"])]
     found, why = verdict(rows)
     ranked = sorted(rows, key=lambda r: -r["acc_0"])
+    for row in ranked:  # how far behind the leader, paired over the same sequences
+        row["behind"], row["behind_se"] = paired_se(ranked[0]["per_sequence"], row["per_sequence"])
     return {"found": found, "why": why, "rows": [{k: v for k, v in r.items() if k != "per_sequence"} for r in ranked]}

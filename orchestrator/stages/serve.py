@@ -28,7 +28,8 @@ from orchestrator.targets import load_tokenizer, target_config_json
 
 def served_draft_dir(cfg: RootConfig, plan) -> Path:
     """The draft directory serving gets: the trained one when its config is written in the serving engine's id
-    convention, else a copy in the run folder (`draft_<engine>`, the weights hard-linked) whose config ids and
+    convention, under every key that engine's runners read (`draft_export.write_layer_ids`), else a copy in the
+    run folder (`draft_<engine>`, the weights hard-linked) whose config ids and
     provenance say, in `serve.engine`'s convention, the layers the export captures in its own engine's (its
     provenance's `serving`). One trained draft so serves on SGLang and on vLLM, each given the ids of its own rule,
     and an export whose ids were wrong stays wrong, for the guard and eval to see. When `serve.layers` differs from

@@ -600,17 +600,8 @@ def export_draft(
         cfg.draft.max_position_embeddings or tconf.get("max_position_embeddings", t.max_position_embeddings),
         layer_contract.id_convention(s.engine),
     )
-    provenance = {
-        "aux_layers": list(cfg.train.layers),
+    provenance = draft_provenance(cfg, plan, manifest, ids) | {
         "trained_ttt_steps": steps,
-        "serving": draft_export.serving_record(s, t.family, ids),
-        "target": manifest["target"],
-        "tokenizer_hash": manifest["tokenizer_hash"],
-        "teacher": manifest["teacher"],
-        # what the draft learned from: the data set's responses or the target's own (data.regenerate)
-        "data": manifest.get("data"),
-        "extract_key": manifest["key"],
-        "train_key": plan.stage_keys["train"],
         "val_metrics": final,
         "rope": draft.shape.rope.as_dict(),
     }
@@ -623,6 +614,22 @@ def export_draft(
     return result
 
 
+def draft_provenance(cfg: RootConfig, plan, manifest: dict, ids: list[int]) -> dict[str, Any]:
+    """What a draft of this stage's records of itself: the layers it reads, the engine its ids are written for,
+    and the target, tokenizer, teacher, data and extraction it goes with."""
+    return {
+        "aux_layers": list(cfg.train.layers),
+        "serving": draft_export.serving_record(cfg.serve, cfg.target.family, ids),
+        "target": manifest["target"],
+        "tokenizer_hash": manifest["tokenizer_hash"],
+        "teacher": manifest["teacher"],
+        # what the draft learned from: the data set's responses or the target's own (data.regenerate)
+        "data": manifest.get("data"),
+        "extract_key": manifest["key"],
+        "train_key": plan.stage_keys["train"],
+    }
+
+
 def import_draft(cfg: RootConfig, plan, manifest: dict, target_path: Path) -> dict[str, Any]:
     """train.from_draft: a draft trained elsewhere, written as this stage's draft (the project's format, the ids of
     `train.layers` for serve.engine, provenance naming the folder it came from) instead of training one, so that
@@ -631,16 +638,7 @@ def import_draft(cfg: RootConfig, plan, manifest: dict, target_path: Path) -> di
 
     t, s = cfg.target, cfg.serve
     ids = layer_contract.to_engine_ids(s.engine, cfg.train.layers, t.num_hidden_layers, t.family, s.engine_version)
-    provenance = {
-        "aux_layers": list(cfg.train.layers),
-        "serving": draft_export.serving_record(s, t.family, ids),
-        "target": manifest["target"],
-        "tokenizer_hash": manifest["tokenizer_hash"],
-        "teacher": manifest["teacher"],
-        "data": manifest.get("data"),
-        "extract_key": manifest["key"],
-        "train_key": plan.stage_keys["train"],
-    }
+    provenance = draft_provenance(cfg, plan, manifest, ids)
     out = plan.dir("train")
     draft_dir = out / "draft"
     formats.import_draft(
