@@ -517,7 +517,8 @@ def foreign_draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -
                 Finding(
                     "trained layers",
                     agrees,
-                    f"{draft_dir}: trained on {found} by acc_0, {result['why']}; aux_layers={list(cfg.aux_layers)}",
+                    f"{draft_dir}: does best on {found} by acc_0 (most likely the layers it was trained on), "
+                    f"{result['why']}; aux_layers={list(cfg.aux_layers)}",
                     "" if agrees else f"set aux_layers={found}",
                 )
             )

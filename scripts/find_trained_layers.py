@@ -55,7 +55,7 @@ def main(overrides: list[str]) -> None:
         behind = f"{row['behind']:.4f} ({row['behind_se']:.4f})"
         by = ", ".join(row["readings"]) or "a reading shifted by one"
         print(f"| {row['layers']}{mark} | {row['acc_0']:.4f} | {row['se']:.4f} | {behind} | {by} |")
-    print(f"\nverdict: {'trained on ' + str(result['found']) if result['found'] else 'none named'}: {result['why']}")
+    print(f"\nverdict: {'does best on ' + str(result['found']) if result['found'] else 'none named'}: {result['why']}")
 
 
 if __name__ == "__main__":

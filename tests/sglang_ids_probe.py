@@ -1,6 +1,6 @@
 """Run in SGLang's environment (tests/test_sglang.py): the layer ids SGLang 0.5.23 takes from each draft, by its own
 `resolve_spec_aux_hidden_state_config` (what its model runner hands `set_eagle3_layers_to_capture`), printed as one
-JSON line {draft: ids or null}.
+JSON line {draft: ids, null, or {"error": what SGLang raised reading it}}.
 
     python tests/sglang_ids_probe.py TARGET_DIR DRAFT_DIR [DRAFT_DIR ...]
 
@@ -30,8 +30,7 @@ def main(target: str, drafts: list[str]) -> dict:
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    out = {}
-    for draft in drafts:
+    def read_ids(draft: str):
         args = ServerArgs(model_path=target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
                           device="cpu", skip_tokenizer_init=True)  # fmt: skip
         args.resolve_once()
@@ -41,7 +40,14 @@ def main(target: str, drafts: list[str]) -> dict:
             spec_algorithm=SpeculativeAlgorithm.from_string("EAGLE3"), is_draft_worker=False,
         )  # fmt: skip
         ids = config.eagle_aux_hidden_state_layer_ids
-        out[draft] = list(ids) if ids else None
+        return list(ids) if ids else None
+
+    out = {}
+    for draft in drafts:
+        try:
+            out[draft] = read_ids(draft)
+        except Exception as exc:  # noqa: BLE001 - what SGLang says of a draft it cannot read is the answer
+            out[draft] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
 
 

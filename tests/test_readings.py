@@ -107,7 +107,7 @@ def test_a_relabeled_draft_is_read_searched_and_measured_by_eval_like_the_traine
     by = {f.category: f for f in findings if f.category in ("draft format", "trained layers")}
     assert by["draft format"].ok and "vllm format" in by["draft format"].message
     trained = by["trained layers"].message
-    assert "cannot tell" in trained or "trained on [1, 4, 6]" in trained, trained
+    assert "cannot tell" in trained or "does best on [1, 4, 6]" in trained, trained
     refused = [f for f in findings if f.category == "layer ids" and not f.ok]
     assert len(refused) == 1 and "captures 2 states for 3 ids" in refused[0].message, refused
 

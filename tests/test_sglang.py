@@ -360,8 +360,9 @@ def test_sglang_parser_errors_come_back(sglang_python):
 def test_sglang_reads_a_drafts_ids_where_the_project_says_it_does(sglang_python, fast_cache, tiny_config, tmp_path):
     """SGLang 0.5.23's own reading of the draft config (`resolve_spec_aux_hidden_state_config`, tests/
     sglang_ids_probe.py), held to the project's (`engines.sglang.sglang_config_ids`): the nested key of an SGLang
-    export; the nested key again, not the top-level one, of a vLLM export (both keys, here relabeled); nothing from
-    speculators' export, whose ids are top-level only, so SGLang serves it on its defaults."""
+    export; the nested key again, not the top-level one, of a vLLM export (both keys, here relabeled). A speculators
+    export SGLang does not read at all (no `model_type` at its top: transformers' AutoConfig refuses it), which is
+    why the check refuses that format for SGLang and `train.from_draft` rewrites it in SGLang's."""
     import json
     import subprocess
     from pathlib import Path
@@ -383,7 +384,8 @@ def test_sglang_reads_a_drafts_ids_where_the_project_says_it_does(sglang_python,
                           text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     sglangs = json.loads(proc.stdout.splitlines()[-1])
-    assert sglangs == {str(trained): [1, 4, 6], str(vllm_export): [2, 5, 7], str(speculators): None}
-    for draft in drafts:
+    assert "Should have a `model_type` key" in sglangs.pop(str(speculators))["error"]
+    assert sglangs == {str(trained): [1, 4, 6], str(vllm_export): [2, 5, 7]}
+    for draft in drafts[:2]:
         [(_, source, ids)] = sglang_config_ids(json.loads((draft / "config.json").read_text()), 8)
         assert (None if source.startswith("no ids") else ids) == sglangs[str(draft)], draft
