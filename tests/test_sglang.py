@@ -357,35 +357,44 @@ def test_sglang_parser_errors_come_back(sglang_python):
 
 
 @pytest.mark.sglang
-def test_sglang_reads_a_drafts_ids_where_the_project_says_it_does(sglang_python, fast_cache, tiny_config, tmp_path):
+def test_sglang_reads_a_drafts_ids_where_the_project_says_it_does(sglang_python, tmp_path):
     """SGLang 0.5.23's own reading of the draft config (`resolve_spec_aux_hidden_state_config`, tests/
     sglang_ids_probe.py), held to the project's (`engines.sglang.sglang_config_ids`): the nested key of an SGLang
-    export; the nested key again, not the top-level one, of a vLLM export (both keys, here relabeled). A speculators
-    export SGLang does not read at all (no `model_type` at its top: transformers' AutoConfig refuses it), which is
-    why the check refuses that format for SGLang and `train.from_draft` rewrites it in SGLang's."""
-    import json
+    export; the nested key again, not the top-level one, of a vLLM export (both keys, here [2, 5, 7] against a nested
+    [1, 4, 6], so that which one SGLang took shows). A speculators export SGLang does not read at all (no
+    `model_type` at its top: transformers' AutoConfig refuses it), which is why the check refuses that format for
+    SGLang and `train.from_draft` rewrites it in SGLang's. Only config.json files are read: the tiny Llama's
+    architecture for the target, the project's export of a draft config for the drafts."""
     import subprocess
-    from pathlib import Path
 
-    from orchestrator.draft import formats
+    from orchestrator.draft import export as draft_export
+    from orchestrator.draft.model import default_shape
     from orchestrator.engines.sglang import sglang_config_ids
-    from orchestrator.pipeline import make_plan
 
-    fast_cache("extract", "train")
-    cfg = tiny_config("cluster=local")
-    plan = make_plan(cfg, tmp_path)
-    trained = plan.dir("train") / "draft"
-    vllm_export = tmp_path / "vllm_export"
-    formats.relabel(trained, vllm_export, "vllm", "llama", 8, "0.32.0")
+    target = tmp_path / "target"
+    target.mkdir()
+    tconf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+             "intermediate_size": 352, "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 8,
+             "vocab_size": 2048, "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+             "torch_dtype": "float32"}  # fmt: skip
+    (target / "config.json").write_text(json.dumps(tconf))
+    shape = default_shape(128, 2048, 3, None, 2, 2, None, None, 1024, 1e-6, 10000.0, 2048, None)
+    drafts = {}
+    for name, convention in (("sglang_export", "sglang"), ("vllm_export", "vllm")):
+        conf = draft_export.draft_config(shape, [1, 4, 6], "float32", tconf, 2048, convention)
+        if convention == "vllm":
+            conf[draft_export.TOP_LEVEL_IDS] = [2, 5, 7]
+        drafts[name] = tmp_path / name
+        drafts[name].mkdir()
+        (drafts[name] / "config.json").write_text(json.dumps(conf))
     speculators = Path(__file__).parent / "data" / "drafts" / "speculators_0.9.0" / "with_ids"
-    drafts = [trained, vllm_export, speculators]
     probe = Path(__file__).parent / "sglang_ids_probe.py"
-    proc = subprocess.run([sglang_python, str(probe), plan.target_dir, *map(str, drafts)], capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    argv = [sglang_python, str(probe), str(target), *map(str, drafts.values()), str(speculators)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     sglangs = json.loads(proc.stdout.splitlines()[-1])
     assert "Should have a `model_type` key" in sglangs.pop(str(speculators))["error"]
-    assert sglangs == {str(trained): [1, 4, 6], str(vllm_export): [2, 5, 7]}
-    for draft in drafts[:2]:
+    assert sglangs == {str(drafts["sglang_export"]): [1, 4, 6], str(drafts["vllm_export"]): [1, 4, 6]}
+    for draft in drafts.values():
         [(_, source, ids)] = sglang_config_ids(json.loads((draft / "config.json").read_text()), 8)
-        assert (None if source.startswith("no ids") else ids) == sglangs[str(draft)], draft
+        assert ids == sglangs[str(draft)], draft
