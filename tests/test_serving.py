@@ -84,7 +84,8 @@ def test_failing_serve_stage_marks_the_run_failed(tiny_config, served, tmp_path)
     _, plan, _ = served
     # A read timeout no generation can meet: the healthy server looks hung to the client.
     cfg = tiny_config("cluster=local", "serve.request_timeout_s=0.001")
-    before = _reference_server_pids()
+    mine = tmp_path.parent  # this pytest worker's base folder: another worker's servers are not this test's
+    before = _reference_server_pids(mine)
     with pytest.raises(Exception, match="timed out"):
         run_pipeline(cfg, tmp_path / "run")
     runs = MlflowClient(plan.tracking_uri).search_runs(
@@ -95,11 +96,11 @@ def test_failing_serve_stage_marks_the_run_failed(tiny_config, served, tmp_path)
     )
     assert runs and "stage serve" in runs[0].data.tags["error"] and "timed out" in runs[0].data.tags["error"]
     assert "server log tail" in runs[0].data.tags["error"]
-    assert _reference_server_pids() <= before, "a reference server was left running"
+    assert _reference_server_pids(mine) <= before, "a reference server was left running"
 
 
-def _reference_server_pids() -> set[int]:
-    """Live (not zombie) processes running the reference engine, from /proc."""
+def _reference_server_pids(under: Path) -> set[int]:
+    """Live (not zombie) processes running the reference engine on a target under `under`, from /proc."""
     found = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -109,6 +110,7 @@ def _reference_server_pids() -> set[int]:
             state = (entry / "stat").read_text().rsplit(") ", 1)[-1][:1]
         except OSError:
             continue
-        if b"orchestrator.serving.reference" in cmdline and state != "Z":
+        mine = any(str(under).encode() in arg for arg in cmdline)
+        if b"orchestrator.serving.reference" in cmdline and mine and state != "Z":
             found.add(int(entry.name))
     return found
