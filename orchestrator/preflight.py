@@ -441,13 +441,15 @@ def failures(findings: list[Finding]) -> list[Finding]:
 
 def run_checks(cfg: RootConfig, plan, draft_dir: str | None = None) -> list[Finding]:
     """Config checks, then every artifact the plan's folders (or `draft_dir`) already hold."""
+    from orchestrator.draft import formats
+
     target_dir = Path(plan.target_dir)
     findings = config_findings(cfg) + memory_findings(cfg, target_dir)
     extract_dir = plan.dir("extract")
     if (extract_dir / MANIFEST).exists():
         findings += extraction_findings(cfg, extract_dir, target_dir)
     draft = Path(draft_dir) if draft_dir else plan.dir("train") / "draft"
-    if (draft / "config.json").exists() and draft_dir and not (draft / "orchestrator.json").exists():
+    if (draft / "config.json").exists() and draft_dir and formats.draft_format(draft) != "orchestrator":
         findings += foreign_draft_findings(cfg, draft, target_dir)  # a draft trained elsewhere
         findings += loader_findings(cfg, draft, target_dir)
     elif (draft / "config.json").exists():
@@ -468,6 +470,7 @@ def foreign_draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -
     from rich.console import Console
     from rich.table import Table
 
+    from orchestrator.draft import export as draft_export
     from orchestrator.draft import formats, readings
 
     t, s = cfg.target, cfg.serve
@@ -482,9 +485,8 @@ def foreign_draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -
         fed = (str(list(r.layers)) if r.layers is not None else "-") + (f" ({r.error})" if r.error else "")
         table.add_row(r.engine, r.version, r.runner, r.source, str(list(r.ids)), fed)
     Console(width=200).print(table)
-    out = [Finding("draft format", True, f"{draft_dir}: {fmt} format, no {PROVENANCE_NAME}: trained elsewhere")]
+    out = [Finding("draft format", True, f"{draft_dir}: {fmt} format, no {draft_export.PROVENANCE}: trained elsewhere")]
     if layer_contract.id_convention(s.engine) == "sglang":  # SGLang's loader, and the reference engine's
-        from orchestrator.draft import export as draft_export
         from orchestrator.targets import target_config_json
 
         tconf = target_config_json(target_dir) if (Path(target_dir) / "config.json").exists() else None
@@ -545,9 +547,6 @@ def foreign_draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -
             )
         )
     return out
-
-
-PROVENANCE_NAME = "orchestrator.json"
 
 
 def _why_no_search(cfg: RootConfig, target_dir: Path) -> str | None:
