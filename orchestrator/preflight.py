@@ -464,9 +464,9 @@ def run_checks(cfg: RootConfig, plan, draft_dir: str | None = None) -> list[Find
 def foreign_draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -> list[Finding]:
     """`check_draft=` on a draft trained elsewhere (no provenance: SGLang/SpecForge, vLLM or speculators format):
     prints which target layers each engine, version and runner would feed it, and, where the target is here and
-    HF loads it, finds the layers it was trained on from acc_0 on the target's own states under each reading
-    (`orchestrator.draft.readings`); refuses serve.engine where it would feed other layers than `aux_layers`, or
-    than the layers found."""
+    HF loads it, finds the layers it was trained on from loss_0 (acc_0 beside it) on the target's own states under
+    each reading (`orchestrator.draft.readings`); refuses serve.engine where it would feed other layers than
+    `aux_layers`, or than the layers found."""
     from rich.console import Console
     from rich.table import Table
 
@@ -502,13 +502,16 @@ def foreign_draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -
     if why_not is None:
         result = trained_layers_search(cfg, draft_dir, target_dir, rows)
         found = result["found"]
-        title = f"acc_0 of {draft_dir} on the target's own states, by reading ({result['sequences']} sequences)"
+        sequences = result["sequences"]
+        title = f"loss_0 and acc_0 of {draft_dir} on the target's own states, by reading ({sequences} sequences)"
         table = Table(title=title)
-        for col in ("layers (canonical)", "acc_0", "se", "behind the first (paired se)", "positions", "as read by"):
+        for col in ("layers (canonical)", "loss_0", "se", "above the lowest (paired se)", "acc_0", "se", "positions",
+                    "as read by"):  # fmt: skip
             table.add_column(col, overflow="fold")
         for row in result["rows"]:
-            behind = f"{row['behind']:.4f} ({row['behind_se']:.4f})"
-            table.add_row(str(row["layers"]), f"{row['acc_0']:.4f}", f"{row['se']:.4f}", behind, str(row["positions"]),
+            above = f"{row['above']:.4f} ({row['above_se']:.4f})"
+            table.add_row(str(row["layers"]), f"{row['loss_0']:.4f}", f"{row['loss_0_se']:.4f}", above,
+                          f"{row['acc_0']:.4f}", f"{row['acc_0_se']:.4f}", str(row["positions"]),
                           ", ".join(row["readings"]) or "(a reading shifted by one)")  # fmt: skip
         Console(width=200).print(table)
         if found is None:
@@ -519,7 +522,7 @@ def foreign_draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -
                 Finding(
                     "trained layers",
                     agrees,
-                    f"{draft_dir}: does best on {found} by acc_0 (most likely the layers it was trained on), "
+                    f"{draft_dir}: does best on {found} by loss_0 (most likely the layers it was trained on), "
                     f"{result['why']}; aux_layers={list(cfg.aux_layers)}",
                     "" if agrees else f"set aux_layers={found}",
                 )

@@ -1,8 +1,8 @@
 """`check_draft=`'s search for the layers a draft was trained on, on a draft whose layers are known: the demo's
 (the README's first command trains it; cached in outputs/ after, trained here otherwise), relabeled as another
 tool ships a draft (no provenance, its ids in vLLM's convention under both keys). Prints, as Markdown, what each
-engine would feed it, and acc_0 under each candidate reading with its standard error and its distance behind the
-leader (paired over the same sequences), then the verdict: the README's table.
+engine would feed it, and loss_0 and acc_0 under each candidate reading with their standard errors and loss_0's
+distance above the lowest (paired over the same sequences), then the verdict: the README's table.
 
     .venv/bin/python scripts/find_trained_layers.py [hydra overrides ...]    # default: +experiment=tiny_eagle3
 """
@@ -46,15 +46,20 @@ def main(overrides: list[str]) -> None:
         print(f"| {r.engine} | {r.version} | {r.runner} | {r.source} | {list(r.ids)} | {fed} |")
     result = trained_layers_search(cfg, relabeled, Path(plan.target_dir), rows)
     print(
-        f"\nacc_0 on the target's greedy answers to {result['sequences']} validation prompts "
-        f"(eval.max_new_tokens={cfg.eval.max_new_tokens} each):\n"
+        f"\nloss_0 (the first draft step's cross-entropy against the target's distribution over the draft vocabulary) "
+        f"and acc_0 on the target's greedy answers to {result['sequences']} validation prompts "
+        f"(eval.max_new_tokens={cfg.eval.max_new_tokens} each), ranked by loss_0:\n"
     )
-    print("| layers | acc_0 | se | behind the first (paired se) | as read by |\n|---|---|---|---|---|")
+    print("| layers | loss_0 | se | above the lowest (paired se) | acc_0 | se | as read by |")
+    print("|---|---|---|---|---|---|---|")
     for row in result["rows"]:
         mark = " (trained)" if row["layers"] == trained else ""
-        behind = f"{row['behind']:.4f} ({row['behind_se']:.4f})"
+        above = f"{row['above']:.4f} ({row['above_se']:.4f})"
         by = ", ".join(row["readings"]) or "a reading shifted by one"
-        print(f"| {row['layers']}{mark} | {row['acc_0']:.4f} | {row['se']:.4f} | {behind} | {by} |")
+        print(
+            f"| {row['layers']}{mark} | {row['loss_0']:.4f} | {row['loss_0_se']:.4f} | {above} | {row['acc_0']:.4f} "
+            f"| {row['acc_0_se']:.4f} | {by} |"
+        )
     print(f"\nverdict: {'does best on ' + str(result['found']) if result['found'] else 'none named'}: {result['why']}")
 
 

@@ -74,17 +74,20 @@ def test_the_candidates_are_every_reading_and_it_shifted_by_one():
     }
 
 
-def test_a_reading_is_named_only_when_it_leads_every_other_by_three_standard_errors():
-    """Paired over the same sequences: a lead of 5 right tokens per 100 on every one of 40 sequences is clear; the
-    same mean lead, alternating +25 and -15, is within the noise."""
+def test_a_reading_is_named_only_when_its_loss_is_below_every_others_by_three_standard_errors():
+    """Paired over the same sequences: a loss_0 lower by 5 per 100 positions on every one of 40 sequences is clear;
+    the same mean difference, alternating -25 and +15, is within the noise. acc_0 does not decide: the clear case's
+    winner has the lower acc_0."""
+    S = readings.SequenceScore
     clear = [
-        {"layers": [1, 4, 6], "acc_0": 0.55, "per_sequence": [(55, 100)] * 40},
-        {"layers": [1, 4, 5], "acc_0": 0.50, "per_sequence": [(50, 100)] * 40},
+        {"layers": [1, 4, 6], "loss_0": 2.00, "acc_0": 0.50, "per_sequence": [S(50, 100, 200.0)] * 40},
+        {"layers": [0, 3, 5], "loss_0": 2.05, "acc_0": 0.55, "per_sequence": [S(55, 100, 205.0)] * 40},
     ]
-    assert readings.verdict(clear)[0] == [1, 4, 6]
+    found, why = readings.verdict(clear)
+    assert found == [1, 4, 6] and "closest: [0, 3, 5]" in why, why
     noisy = [
-        {"layers": [1, 4, 6], "acc_0": 0.55, "per_sequence": [(75, 100), (35, 100)] * 20},
-        {"layers": [1, 4, 5], "acc_0": 0.50, "per_sequence": [(50, 100)] * 40},
+        {"layers": [1, 4, 6], "loss_0": 2.0, "acc_0": 0.5, "per_sequence": [S(50, 100, 180.0), S(50, 100, 220.0)] * 20},
+        {"layers": [0, 3, 5], "loss_0": 2.05, "acc_0": 0.5, "per_sequence": [S(50, 100, 205.0)] * 40},
     ]
     found, why = readings.verdict(noisy)
     assert found is None and why.startswith("cannot tell"), why
@@ -93,8 +96,8 @@ def test_a_reading_is_named_only_when_it_leads_every_other_by_three_standard_err
 def test_a_relabeled_draft_is_read_searched_and_measured_by_eval_like_the_trained_one(fast_cache, tiny_config,
                                                                                       tmp_path):  # fmt: skip
     """The FAST draft (trained on [1, 4, 6]) relabeled: `check_draft=` prints each engine's reading (vLLM reads
-    [2, 5, 7] as the trained layers; SGLang's Llama rule captures two states only, id 7 being the last layer), runs
-    the acc_0 search without naming a wrong reading, and refuses serve.engine=reference, which reads SGLang's
+    [2, 5, 7] as the trained layers; SGLang's Llama rule captures two states only, id 7 being the last layer), finds
+    the trained layers by the loss_0 search, and refuses serve.engine=reference, which reads SGLang's
     convention. Imported with train.from_draft (aux_layers [1, 4, 6]), eval measures exactly what it measures for
     the trained draft: the same weights fed the same states."""
     outputs = fast_cache("extract", "train", "eval")
@@ -107,7 +110,7 @@ def test_a_relabeled_draft_is_read_searched_and_measured_by_eval_like_the_traine
     by = {f.category: f for f in findings if f.category in ("draft format", "trained layers")}
     assert by["draft format"].ok and "vllm format" in by["draft format"].message
     trained = by["trained layers"].message
-    assert "cannot tell" in trained or "does best on [1, 4, 6]" in trained, trained
+    assert "does best on [1, 4, 6] by loss_0" in trained, trained
     refused = [f for f in findings if f.category == "layer ids" and not f.ok]
     assert len(refused) == 1 and "captures 2 states for 3 ids" in refused[0].message, refused
 

@@ -5,12 +5,19 @@ convention, or none, and no record of the layers it was trained on. Two answers,
 
     engine_readings   the canonical states each engine, version and runner would feed it: where the engine
                       reads the ids (`Engine.config_ids`) decoded by its rule for the family at that version
-    find_trained      the layers its weights agree with: acc_0 (the first draft token's top-1 agreement with the
-                      target's greedy token) of the draft fed the target's own states under each candidate
-                      reading (every engine reading, and it with every id shifted by -1 and +1), with its standard
-                      error; a reading is named only when it is ahead of every other by `MARGIN` standard errors
-                      of the paired difference, with sequences as the units (a draft is right or wrong on runs of
-                      tokens, so tokens are not independent)
+    find_trained      the layers its weights agree with: the draft fed the target's own states under each
+                      candidate reading (every engine reading, and it with every id shifted by -1 and +1), scored by
+                      loss_0, its first step's cross-entropy against the target's distribution over the draft
+                      vocabulary (what EAGLE-3 training minimizes), and by acc_0 (the first draft token's top-1
+                      agreement with the target's greedy token), each with its standard error; a reading is named
+                      only when its loss_0 is below every other's by `MARGIN` standard errors of the paired
+                      difference, with sequences as the units (a draft is right or wrong on runs of tokens, so
+                      tokens are not independent)
+
+Why loss_0 decides and acc_0 is only reported: where adjacent layers' states differ little (the tiny Llama's), a
+draft's top-1 token barely moves when it is fed a neighbouring layer, and acc_0 ranked the demo's draft ahead one
+layer below its trained layers; the distribution it was fitted to moves measurably, and loss_0 names the trained
+layers (the README's table, printed by scripts/find_trained_layers.py).
 """
 
 from __future__ import annotations
@@ -83,23 +90,36 @@ def candidates(readings: list[Reading], num_layers: int, num_aux: int) -> dict[t
     return out
 
 
+@dataclass(frozen=True)
+class SequenceScore:
+    """One sequence under one reading: its first draft tokens right, its scored positions, and its loss_0 summed."""
+
+    right: int
+    positions: int
+    loss: float
+
+
 @torch.no_grad()
-def acc0(model, draft, options: list[tuple[int, ...]], sequences, device: torch.device) -> list[dict[str, Any]]:
-    """acc_0 of `draft` fed the target's states at each option's layers, on `sequences` (token ids and loss
-    masks): per option the accuracy, its standard error, and per sequence (right, positions) for paired
-    comparisons. The target's states are captured once per sequence, at the union of the options' layers."""
+def score(model, draft, options: list[tuple[int, ...]], sequences, device: torch.device) -> list[dict[str, Any]]:
+    """acc_0 and loss_0 of `draft` fed the target's states at each option's layers, on `sequences` (token ids and
+    loss masks): per option each statistic, its standard error, and the per-sequence scores for paired
+    comparisons. The target's states are captured once per sequence, at the union of the options' layers; the
+    target's distribution over the draft vocabulary is the one training distils (`stages/train.py`: step_loss)."""
     from orchestrator.capture import HiddenStateCapture
 
     union = sorted({k for layers in options for k in layers})
     column = {k: i for i, k in enumerate(union)}
-    per_option: list[list[tuple[int, int]]] = [[] for _ in options]
+    kept = torch.arange(draft.d2t.numel(), device=draft.d2t.device) + draft.d2t  # draft id -> target id
+    per_option: list[list[SequenceScore]] = [[] for _ in options]
     with HiddenStateCapture(model, union) as capture:
         for input_ids, loss_mask in sequences:
             length = len(input_ids)
             if length < 3:
                 continue
             ids = torch.tensor([input_ids], device=device)
-            target_argmax = model(input_ids=ids, use_cache=False).logits.argmax(-1)[0]
+            logits = model(input_ids=ids, use_cache=False).logits[0]
+            target_argmax = logits.argmax(-1)[1:]
+            target_p = torch.softmax(logits[1:, kept.to(logits.device)].float(), dim=-1)
             states = capture.aux()[0]  # [T, len(union) * H]
             capture.clear()
             hidden = states.shape[-1] // len(union)
@@ -108,55 +128,64 @@ def acc0(model, draft, options: list[tuple[int, ...]], sequences, device: torch.
             valid = torch.ones(1, length - 1, dtype=torch.bool, device=device)
             for i, layers in enumerate(options):
                 aux = by_layer[:-1, [column[k] for k in layers]].flatten(1)[None]
-                first = draft.unroll(aux.to(device), ids[:, 1:], valid, 1).tokens[0][0]
-                right = (first == target_argmax[1:]) & mask
-                per_option[i].append((int(right.sum()), int(mask.sum())))
+                unrolled = draft.unroll(aux.to(device), ids[:, 1:], valid, 1)
+                right = (unrolled.tokens[0][0] == target_argmax) & mask
+                loss = -(target_p * torch.log_softmax(unrolled.logits[0][0].float(), dim=-1)).sum(-1)
+                per_option[i].append(SequenceScore(int(right.sum()), int(mask.sum()), float(loss[mask].sum())))
     rows = []
     for layers, seqs in zip(options, per_option):
-        right, total = sum(r for r, _ in seqs), sum(n for _, n in seqs)
-        p = right / total if total else 0.0
-        # sequences as the units: the spread of each sequence's right count around p times its positions
-        se = math.sqrt(sum((r - p * n) ** 2 for r, n in seqs)) / total if total else float("nan")
-        rows.append({"layers": list(layers), "acc_0": p, "se": se, "positions": total, "per_sequence": seqs})
+        total = sum(s.positions for s in seqs)
+        row: dict[str, Any] = {"layers": list(layers), "positions": total, "per_sequence": seqs}
+        for stat, value in (("acc_0", lambda s: s.right), ("loss_0", lambda s: s.loss)):
+            mean = sum(value(s) for s in seqs) / total if total else float("nan")
+            # sequences as the units: the spread of each sequence's sum around the mean times its positions
+            spread = sum((value(s) - mean * s.positions) ** 2 for s in seqs)
+            row[stat], row[f"{stat}_se"] = mean, (math.sqrt(spread) / total if total else float("nan"))
+        rows.append(row)
     return rows
 
 
-def paired_se(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> tuple[float, float]:
-    """(acc_0 of a minus b, its standard error) over the same sequences, sequences as the units."""
-    total = sum(n for _, n in a)
-    diff = (sum(r for r, _ in a) - sum(r for r, _ in b)) / total
-    spread = sum(((ra - rb) - diff * n) ** 2 for (ra, n), (rb, _) in zip(a, b, strict=True))
-    return diff, math.sqrt(spread) / total
+def paired_se(a: list[SequenceScore], b: list[SequenceScore], stat: str = "loss") -> tuple[float, float]:
+    """(the mean of `stat` ("loss" or "right") per position under a minus under b, its standard error) over the
+    same sequences, sequences as the units."""
+    total = sum(s.positions for s in a)
+    diffs = [(getattr(x, stat) - getattr(y, stat), x.positions) for x, y in zip(a, b, strict=True)]
+    mean = sum(d for d, _ in diffs) / total
+    return mean, math.sqrt(sum((d - mean * n) ** 2 for d, n in diffs)) / total
 
 
 def verdict(rows: list[dict[str, Any]]) -> tuple[list[int] | None, str]:
-    """The reading clearly ahead (its layers), or None, with why in words."""
-    ranked = sorted(rows, key=lambda r: -r["acc_0"])
+    """The reading whose loss_0 is clearly the lowest (its layers), or None, with why in words."""
+    ranked = sorted(rows, key=lambda r: r["loss_0"])
     best = ranked[0]
     if len(ranked) == 1:
         return best["layers"], "the only reading"
-    leads = [paired_se(best["per_sequence"], r["per_sequence"]) for r in ranked[1:]]
+    # how far each other reading's loss_0 is above the best's, in paired standard errors; the closest decides
+    leads = [paired_se(r["per_sequence"], best["per_sequence"]) for r in ranked[1:]]
     closest = min(range(len(leads)), key=lambda i: leads[i][0] / leads[i][1] if leads[i][1] else math.inf)
     diff, se = leads[closest]
     z = diff / se if se else math.inf
     runner_up = ranked[1 + closest]["layers"]
     if z >= MARGIN:
-        return best["layers"], f"ahead of every other reading by >= {z:.1f} standard errors (closest: {runner_up})"
+        return best["layers"], (
+            f"its loss_0 is below every other reading's by >= {z:.1f} standard errors (closest: {runner_up}, "
+            f"+{diff:.4f})"
+        )
     return None, (
-        f"cannot tell: {best['layers']} leads {runner_up} by {diff:.4f} acc_0, {z:.1f} standard errors "
-        f"(< {MARGIN:g}); more validation sequences would separate them if they differ"
+        f"cannot tell: {best['layers']} has the lowest loss_0, {diff:.4f} below {runner_up}, {z:.1f} standard "
+        f"errors (< {MARGIN:g}); more validation sequences would separate them if they differ"
     )
 
 
 def find_trained(model, draft, readings: list[Reading], num_layers: int, sequences, device) -> dict[str, Any]:
-    """acc_0 under every candidate reading (`candidates`), ranked, and the verdict."""
+    """loss_0 and acc_0 under every candidate reading (`candidates`), ranked by loss_0, and the verdict."""
     num_aux = draft.fc.weight.shape[1] // draft.shape.target_hidden_size
     options = candidates(readings, num_layers, num_aux)
-    rows = acc0(model, draft, list(options), sequences, device)
+    rows = score(model, draft, list(options), sequences, device)
     for row in rows:
         row["readings"] = options[tuple(row["layers"])]
     found, why = verdict(rows)
-    ranked = sorted(rows, key=lambda r: -r["acc_0"])
-    for row in ranked:  # how far behind the leader, paired over the same sequences
-        row["behind"], row["behind_se"] = paired_se(ranked[0]["per_sequence"], row["per_sequence"])
+    ranked = sorted(rows, key=lambda r: r["loss_0"])
+    for row in ranked:  # how far above the best, paired over the same sequences
+        row["above"], row["above_se"] = paired_se(row["per_sequence"], ranked[0]["per_sequence"])
     return {"found": found, "why": why, "rows": [{k: v for k, v in r.items() if k != "per_sequence"} for r in ranked]}
