@@ -31,6 +31,10 @@ from orchestrator.config import (
 from orchestrator.data import data_identity
 from orchestrator.targets import target_dir
 
+# The stages whose output is a pure function of their key: kept under outputs/cache/<stage>/<key> and reused by every
+# run and sweep point with that key. Serve measures timings, which are not.
+CONTENT_ADDRESSED = ("extract", "train", "eval")
+
 
 @dataclass
 class Plan:
@@ -96,7 +100,12 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     keys["train"] = stable_hash(
         {"extract": keys["extract"], "draft": _subtree(cfg, "draft"), "train": train, "code": CODE_VERSION["train"]}
     )
-    keys["eval"] = stable_hash({"train": keys["train"], "eval": _subtree(cfg, "eval"), "code": CODE_VERSION["eval"]})
+    # Eval runs the draft as serve.engine reads it: that engine's id rule and a deliberate serve.layers decide the
+    # states it is fed; the rest of serve (its prompts, its servers) decides nothing eval computes.
+    served = {"engine": cfg.serve.engine, "id_rules": cfg.serve.id_rules, "layers": list(cfg.serve.layers)}
+    keys["eval"] = stable_hash(
+        {"train": keys["train"], "eval": _subtree(cfg, "eval"), "served": served, "code": CODE_VERSION["eval"]}
+    )
     keys["serve"] = stable_hash(
         {"train": keys["train"], "serve": _subtree(cfg, "serve"), "code": CODE_VERSION["serve"]}
     )
@@ -134,7 +143,7 @@ def make_plan(cfg: RootConfig, run_dir: Path) -> Plan:
     dirs = {
         "extract": cache / "extract" / keys["extract"],
         "train": cache / "train" / keys["train"],
-        "eval": run_dir / "eval",
+        "eval": cache / "eval" / keys["eval"],
         "serve": run_dir / "serve",
     }
     plan = Plan(
@@ -168,7 +177,7 @@ def make_plan(cfg: RootConfig, run_dir: Path) -> Plan:
                 "inputs": inputs[stage],
                 "output": str(dirs[stage]),
                 "cached": (dirs[stage] / MANIFEST).exists()
-                and stage in ("extract", "train")
+                and stage in CONTENT_ADDRESSED
                 and not (stage == "extract" and cfg.extract.force),
                 "layer_ids": stage_layer_ids(cfg, stage),
             }
@@ -440,7 +449,7 @@ def _submit_or_cancel(stage: str, jobs: list[tuple[str, Any]], blocking: bool, *
 
 def _in_flight_record(plan: Plan, stage: str) -> Path | None:
     # Only content-addressed stages (shared between runs) can be in flight for another run.
-    return plan.dir(stage) / ".job.json" if stage in ("extract", "train") else None
+    return plan.dir(stage) / ".job.json" if stage in CONTENT_ADDRESSED else None
 
 
 @contextlib.contextmanager

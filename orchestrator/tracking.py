@@ -499,8 +499,9 @@ def compute_params(described: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def relog_cached(tracker: Tracker, stage: str, stage_dir: Path, result: Mapping[str, Any]) -> None:
-    """A cached extraction or draft gives this run the metrics (and the training's validation curve and
-    accuracy plot) that the run which produced it logged, so the compare view shows no hole for it."""
+    """A cached extraction, draft or evaluation gives this run the metrics (and the training's validation curve and
+    accuracy plot, and eval's mismatch tags) that the run which produced it logged, so the compare view shows no
+    hole for it."""
     stage_dir = Path(stage_dir)
     if result.get("compute"):  # how the cached stage ran, as a live one records it (pipeline.run_stage)
         tracker.params({f"{stage}.{k}": v for k, v in compute_params(result["compute"]).items()})
@@ -510,6 +511,12 @@ def relog_cached(tracker: Tracker, stage: str, stage_dir: Path, result: Mapping[
         tracker.artifact(stage_dir / "accuracy_by_position.png", "train")
     else:
         tracker.stage_result(stage, result)
+    if "mismatch" in result:  # the tags a live eval sets (stages/eval.py)
+        flags = result.get("mismatch_flags") or []
+        tracker.tags(
+            {f"{stage}.mismatch": str(result["mismatch"]).lower()}
+            | ({f"{stage}.mismatch_flags": " | ".join(flags)} if flags else {})
+        )
 
 
 def run_note(summary: Mapping[str, Any]) -> str:

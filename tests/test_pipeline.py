@@ -75,3 +75,27 @@ def test_full_pipeline(tiny_config, tmp_path):
         "serve/accept_length",
     ):
         assert key in metrics, key
+
+
+def test_eval_is_cached_by_what_decides_it(fast_cache, tiny_config, tmp_path):
+    """Eval's result is a function of the draft, its states and what eval reads of the config (its own node and
+    serve.engine's reading of the draft's ids): a second run with the same key takes it from the cache, with its
+    metrics in the new MLflow run and no eval job; another eval setting (serve.prompts too: eval.prompts follows it),
+    or another serve.layers, measures again, while serve's own settings (its passes, its timeouts) do not."""
+    fast_cache("extract", "train", "eval")
+    stages = ("cluster=local", "stages=[extract,train,eval]")
+    cfg = tiny_config(*stages)
+    assert [e["cached"] for e in make_plan(cfg, tmp_path / "a").stages] == [True, True, True]
+    summary = run_pipeline(cfg, tmp_path / "a")
+    ev = summary["stages"]["eval"]
+    assert ev["cached"] is True and ev["acc_0"] > 0
+    assert not list((tmp_path / "a" / "jobs").glob("*")), "a cached eval submits no job"
+    run = MlflowClient(summary["tracking_uri"]).get_run(summary["mlflow_run_id"])
+    assert run.data.metrics["eval/acc_0"] == ev["acc_0"] and run.data.tags["eval.mismatch"] == "false"
+
+    def eval_cached(*overrides: str) -> bool:
+        return make_plan(tiny_config(*stages, *overrides), tmp_path / "b").stages[2]["cached"]
+
+    assert eval_cached("serve.repeats=5") and eval_cached("serve.request_timeout_s=30")
+    assert not eval_cached("eval.max_new_tokens=8") and not eval_cached("serve.prompts=2")
+    assert not eval_cached("serve.layers=[0,2,5]")
