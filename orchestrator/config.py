@@ -264,6 +264,8 @@ class ServeConfig:
     greedy_token_tolerance: float = MISSING
     # Refuse to serve a draft whose config ids do not capture the layers it was trained on.
     guard: bool = MISSING
+    # Measure again instead of taking the passes cached under the same key (outputs/cache/serve/; stages/serve.py).
+    force: bool = MISSING
     threads: Optional[int] = MISSING
     # The reference engine's target (auto: bfloat16 on GPUs, float32 on CPUs); SGLang is told `serve.dtype`.
     precision: str = MISSING

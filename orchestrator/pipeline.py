@@ -36,6 +36,17 @@ from orchestrator.targets import target_dir
 CONTENT_ADDRESSED = ("extract", "train", "eval")
 
 
+# serve.* that decides no measurement: checks and their tolerances, waits, where the engine lives (its installed
+# version is in the key instead), how many passes (more are added to the cached ones), and the pins, which the
+# installed version must equal
+SERVE_DECIDES_NOTHING = (
+    "python", "fallback", "fallback_reason", "repeats", "startup_timeout_s", "request_timeout_s", "guard", "force",
+    "accept_length_tolerance", "greedy_token_tolerance", "sglang_version", "vllm_version",
+)  # fmt: skip
+# serve.* that only the speculative server reads
+SERVE_SPECULATIVE_ONLY = ("layers", "num_steps", "eagle_topk", "num_draft_tokens")
+
+
 @dataclass
 class Plan:
     run_dir: str
@@ -109,6 +120,15 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     keys["serve"] = stable_hash(
         {"train": keys["train"], "serve": _subtree(cfg, "serve"), "code": CODE_VERSION["serve"]}
     )
+    # The serving measurements, less what only the job knows (the engine's installed version, the prompts' token
+    # ids; stages/serve.py adds them): the baseline is the target served as configured, whatever the draft; the
+    # speculative passes are that with the draft.
+    serve = {k: v for k, v in _subtree(cfg, "serve").items() if k not in SERVE_DECIDES_NOTHING}
+    spec = {k: serve.pop(k) for k in SERVE_SPECULATIVE_ONLY}
+    # unlike what a stage computes, its timings depend on where it runs: the devices and CPUs it has
+    serve["resources"] = {k: v for k, v in asdict(cfg.serve.resources).items() if k not in ("mem_gb", "timeout_min")}
+    keys["serve_baseline"] = stable_hash({"target": target, "serve": serve, "code": CODE_VERSION["serve"]})
+    keys["serve_speculative"] = stable_hash({"baseline": keys["serve_baseline"], "train": keys["train"], "spec": spec})
     return keys
 
 
@@ -208,7 +228,10 @@ def run_stage(stage: str, cfg: RootConfig, plan: Plan, run_id: str, finalize: bo
             tracker.params({f"{stage}.{k}": v for k, v in tracking.compute_params(compute.describe()).items()})
         result = module.run(cfg, plan, tracker, compute)
         if compute.is_main:
-            tracker.metrics({"seconds": time.time() - started}, prefix=f"{stage}/")
+            seconds = time.time() - started
+            tracker.metrics({"seconds": seconds}, prefix=f"{stage}/")
+            # this run's own record of the stage's time (its manifest is shared with every run of the same key)
+            write_json(Path(plan.run_dir) / STAGE_SECONDS / f"{stage}.json", {"seconds": round(seconds, 3)})
             if finalize:
                 finish(cfg, plan, tracker)
     except BaseException as exc:
@@ -235,6 +258,7 @@ def finish(cfg: RootConfig, plan: Plan, tracker: tracking.Tracker) -> dict[str, 
             tracking.relog_cached(tracker, entry["stage"], plan.dir(entry["stage"]), results[entry["stage"]])
             results[entry["stage"]]["cached"] = True
     summary = build_summary(cfg, plan, results, tracker.run_id)
+    summary["seconds"] = stage_seconds(plan)
     summary["mlflow_url"] = tracker.url()
     write_json(Path(plan.run_dir) / "summary.json", summary)
     tracker.artifact(Path(plan.run_dir) / "summary.json")
@@ -242,6 +266,19 @@ def finish(cfg: RootConfig, plan: Plan, tracker: tracking.Tracker) -> dict[str, 
     tracker.note(tracking.run_note(summary))
     tracker.finish()
     return summary
+
+
+STAGE_SECONDS = "seconds"  # <run_dir>/seconds/<stage>.json: each stage's time in its job, written by the job
+
+
+def stage_seconds(plan: Plan) -> dict[str, float | str]:
+    """Each stage's time in its job (from the run's folder), or "cached" where the run took it from the cache."""
+    out: dict[str, float | str] = {}
+    for entry in plan.stages:
+        path = Path(plan.run_dir) / STAGE_SECONDS / f"{entry['stage']}.json"
+        # a stage another run completed meanwhile (pipeline.run_pipeline) has no time of this run's
+        out[entry["stage"]] = json.loads(path.read_text())["seconds"] if path.exists() else "cached"
+    return out
 
 
 def print_plan(plan: Plan) -> None:
@@ -318,6 +355,7 @@ def run_pipeline(
     """Submits the configured stage prefix as a chain of jobs. Local and debug runs block and return the
     summary (also in `<run_dir>/summary.json`); Slurm runs return once the chain is queued, unless
     `cluster.wait=true`. `search_trial`: the layer-search trial this run is (`orchestrator.pruning.SearchTrial`)."""
+    begun = time.time()
     plan = make_plan(cfg, run_dir)
     plan.search_trial = search_trial
     if cfg.check:
@@ -355,6 +393,7 @@ def run_pipeline(
         cached=[e["stage"] for e in plan.stages if e["cached"]],
     )
     blocking = cfg.cluster.kind in ("local", "debug")
+    job_seconds: dict[str, float] = {}  # blocking runs: each stage's job from submission to its end
     todo = [e for e in plan.stages if not e["cached"]]
     jobs: list[tuple[str, Any]] = []
     dependency: str | None = None
@@ -380,6 +419,7 @@ def run_pipeline(
                     print(f"[{stage}] already queued by another run: job {in_flight}")
                     dependency = in_flight
                     continue
+                submitted = time.time()
                 job = _submit_or_cancel(
                     stage,
                     jobs,
@@ -404,6 +444,7 @@ def run_pipeline(
                     _record_in_flight(cfg, plan, stage, job.job_id)
                 if blocking:
                     runner.wait(job, stage)
+                    job_seconds[stage] = round(time.time() - submitted, 3)
         if not jobs:
             summary = finish(cfg, plan, tracker)
         elif blocking or cfg.cluster.wait:
@@ -414,6 +455,10 @@ def run_pipeline(
                 summary = finish(cfg, plan, tracker)
             else:
                 summary = json.loads((Path(plan.run_dir) / "summary.json").read_text())
+            if blocking:  # the job's overhead beside the stage's own time: start-up, imports, submitit's pickles
+                summary["job_seconds"] = job_seconds
+                summary["total_seconds"] = round(time.time() - begun, 3)
+                write_json(Path(plan.run_dir) / "summary.json", summary)
         else:
             return _report_submitted(plan, jobs, tracker.run_id, tracker.url())
     except runner.StageFailed as exc:
@@ -524,6 +569,23 @@ def build_summary(cfg: RootConfig, plan: Plan, results: dict[str, Any], run_id: 
     return summary
 
 
+def time_row(summary: dict[str, Any]) -> str:
+    """Where the run's time went: each stage in its job (and the job as a whole, where the run waited for it), each
+    server serve started (start-up, warm-up, measurement), and the run's total."""
+    parts = []
+    for stage, seconds in summary.get("seconds", {}).items():
+        job = summary.get("job_seconds", {}).get(stage)
+        parts.append(f"{stage} {seconds}" if seconds == "cached" else f"{stage} {seconds:.1f} s" + (
+            f" (job {job:.1f} s)" if job is not None else ""
+        ))  # fmt: skip
+    for mode, t in summary.get("stages", {}).get("serve", {}).get("server_seconds", {}).items():
+        parts.append(f"{mode} server: start {t['startup_s']:.1f} s, warm-up {t['warmup_s']:.1f} s, "
+                     f"passes {t['measure_s']:.1f} s")  # fmt: skip
+    if "total_seconds" in summary:
+        parts.append(f"total {summary['total_seconds']:.1f} s")
+    return "; ".join(parts)
+
+
 def print_summary(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -541,6 +603,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         )
         table.add_row(stage, ", ".join(f"{k}={_fmt(v)}" for k, v in headline.items()) + where)
     table.add_row("mismatch", "; ".join(summary["mismatch_flags"]) or "none")
+    table.add_row("time", time_row(summary))
     Console(width=200).print(table)
     print(f"MLflow run: {summary['mlflow_url']}")
     if summary["tracking_uri"].startswith("sqlite:///"):

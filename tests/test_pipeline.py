@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+from conftest import FAST, compose_config, copy_cache
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
+from orchestrator.engines.reference import Reference
 from orchestrator.pipeline import make_plan, run_pipeline
 
 
@@ -64,6 +69,13 @@ def test_full_pipeline(tiny_config, tmp_path):
     assert serve["accept_length"] >= 1.0
     assert abs(serve["accept_length"] - ev["expected_accept_length"]) / ev["expected_accept_length"] <= 0.10
     assert summary["mismatch_flags"] == []
+    # where the time went: each stage in its job and as a job, each server serve started, the whole run
+    assert set(summary["seconds"]) == {"extract", "train", "eval", "serve"}
+    for stage, seconds in summary["seconds"].items():
+        assert seconds == "cached" or 0 < seconds <= summary["job_seconds"][stage] <= summary["total_seconds"]
+    for mode, started in serve["servers_started"].items():
+        times = serve["server_seconds"].get(mode)
+        assert (times is not None) == started and (not started or min(times.values()) > 0), serve
     metrics = MlflowClient(summary["tracking_uri"]).get_run(summary["mlflow_run_id"]).data.metrics
     for key in (
         "train/val_acc_0",
@@ -99,3 +111,75 @@ def test_eval_is_cached_by_what_decides_it(fast_cache, tiny_config, tmp_path):
     assert eval_cached("serve.repeats=5") and eval_cached("serve.request_timeout_s=30")
     assert not eval_cached("eval.max_new_tokens=8") and not eval_cached("serve.prompts=2")
     assert not eval_cached("serve.layers=[0,2,5]")
+
+
+SWEEP = ("aux_layers=[1,4,6],[0,3,6],[2,4,5]", "extract.extra_layers=[0,1,2,3,4,5,6]")
+
+
+def test_a_sweep_measures_the_baseline_once(fast_cache, tmp_path):
+    """The README's 3-point sweep, from the command line: one baseline server and three speculative servers start
+    (counted in its output), the three points' speedups divide by the one baseline, and each point's MLflow run
+    names the run that measured it. The union of the points' layers is extracted once (extract.extra_layers)."""
+    outputs = copy_cache(fast_cache("extract"), tmp_path / "outputs", parts=("targets",))
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "-m", "+experiment=tiny_eagle3", f"outputs_dir={outputs}", *FAST,
+         "cluster=debug", *SWEEP],
+        cwd=tmp_path, capture_output=True, text=True, timeout=1200, env=os.environ | {"HYDRA_FULL_ERROR": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    started = {mode: [line for line in lines if line.startswith(f"[serve] {mode}: ") and "cached" not in line]
+               for mode in ("baseline", "speculative")}  # fmt: skip
+    assert [len(started["baseline"]), len(started["speculative"])] == [1, 3], done.stdout[-3000:]
+    assert "--draft" not in started["baseline"][0] and all("--draft" in line for line in started["speculative"])
+    assert sum(line.startswith("[serve] baseline: cached, measured by run ") for line in lines) == 2
+    summaries = [json.loads(p.read_text()) for p in sorted((outputs / "sweeps").rglob("summary.json"))]
+    assert len(summaries) == 3 and len({str(s["aux_layers"]) for s in summaries}) == 3
+    serves = [s["stages"]["serve"] for s in summaries]
+    assert len({s["baseline_tok_s"] for s in serves}) == 1 and len({s["spec_tok_s"] for s in serves}) == 3
+    for serve in serves:
+        assert serve["speedup"] == serve["spec_tok_s"] / serve["baseline_tok_s"]
+    measurer = [s["mlflow_run_id"] for s, serve in zip(summaries, serves) if serve["servers_started"]["baseline"]]
+    assert len(measurer) == 1
+    client = MlflowClient(summaries[0]["tracking_uri"])
+    for summary in summaries:
+        tags = client.get_run(summary["mlflow_run_id"]).data.tags
+        assert tags["serve.baseline_measured_by"] == measurer[0], tags
+        assert tags["serve.speculative_measured_by"] == summary["mlflow_run_id"], tags
+    assert len(list((outputs / "cache" / "extract").glob("*/manifest.json"))) == 1, "one extraction for the sweep"
+
+
+def test_serving_measurements_are_cached_by_what_decides_them(fast_cache, tmp_path, monkeypatch):
+    """Run again with the same serving key, serve measures nothing and says who did; more serve.repeats add passes
+    to the cached ones; another serve.max_new_tokens, another installed engine, or serve.force measure again."""
+    outputs = copy_cache(fast_cache("extract", "train", "eval"), tmp_path / "outputs",
+                         parts=("targets", "extract", "train", "eval"))  # fmt: skip
+
+    def serve(name: str, *overrides: str) -> dict:
+        config = compose_config(outputs, "cluster=debug", "serve.repeats=1", *overrides)
+        summary = run_pipeline(config, tmp_path / name)
+        assert [summary["stages"][s].get("cached") for s in ("extract", "train")] == [True] * 2
+        return summary["stages"]["serve"] | {"run": summary["mlflow_run_id"]}
+
+    def started(result: dict) -> list[bool]:
+        return [result["servers_started"][mode] for mode in ("baseline", "speculative")]
+
+    first = serve("first")
+    assert started(first) == [True, True] and "baseline_from" not in first
+    again = serve("again")
+    assert started(again) == [False, False] and again["server_seconds"] == {}
+    assert again["baseline_tok_s"] == first["baseline_tok_s"] and again["spec_tok_s"] == first["spec_tok_s"]
+    assert [m["mlflow_run_id"] for m in again["measured_by"]["baseline"]] == [first["run"]]
+    more = serve("more", "serve.repeats=3")
+    assert started(more) == [True, True]
+    passes = more["per_concurrency"][0]["baseline_tok_s_passes"]
+    assert len(passes) == 3 and passes[0] == first["per_concurrency"][0]["baseline_tok_s_passes"][0]
+    assert [m["passes"] for m in more["measured_by"]["baseline"]] == [{"1": 1}, {"1": 2}]
+    assert started(serve("fewer", "serve.repeats=2")) == [False, False]  # the first two of the three passes
+    assert started(serve("longer", "serve.max_new_tokens=16")) == [True, True]
+    monkeypatch.setattr(Reference, "measuring", lambda self, installed: "another build of the reference engine")
+    assert started(serve("rebuilt")) == [True, True]
+    monkeypatch.undo()
+    forced = serve("forced", "serve.force=true")
+    assert started(forced) == [True, True]
+    assert [m["mlflow_run_id"] for m in forced["measured_by"]["baseline"]] == [forced["run"]]

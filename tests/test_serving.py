@@ -82,8 +82,9 @@ def test_server_that_fails_mid_benchmark(served, tmp_path, fault, expected):
 
 def test_failing_serve_stage_marks_the_run_failed(tiny_config, served, tmp_path):
     _, plan, _ = served
-    # A read timeout no generation can meet: the healthy server looks hung to the client.
-    cfg = tiny_config("cluster=local", "serve.request_timeout_s=0.001")
+    # A read timeout no generation can meet: the healthy server looks hung to the client (serve.force: passes
+    # another test cached under the same key would start no server).
+    cfg = tiny_config("cluster=local", "serve.request_timeout_s=0.001", "serve.force=true")
     mine = tmp_path.parent  # this pytest worker's base folder: another worker's servers are not this test's
     before = _reference_server_pids(mine)
     with pytest.raises(Exception, match="timed out"):

@@ -100,6 +100,12 @@ class Engine:
         that environment does not exist or the engine runs in the project's own."""
         return installed_version(python, self.distributions) if self.distributions else None
 
+    def measuring(self, installed: str | None) -> str | None:
+        """What measures a serving pass, as installed: part of a cached measurement's key (stages/serve.py), so
+        that another version of the engine measures again. The installed version where the engine has its own
+        environment."""
+        return installed
+
     def check_installed(self, cfg: RootConfig, python: str, python_key: str) -> str | None:
         """The installed version, once it equals the configured pin and has a recorded id rule for the target's
         family; raises ConfigError naming both versions otherwise. None where `python` holds no such environment

@@ -22,6 +22,16 @@ class Reference(Engine):
     def id_rule(self, family, version):
         return sglang_rule(family, version)
 
+    def measuring(self, installed):
+        """The project's own code (its version; CODE_VERSION keys its serving changes) on this environment's torch
+        and transformers, which compute every pass."""
+        import torch
+        import transformers
+
+        from orchestrator import __version__
+
+        return f"orchestrator {__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
+
     def check_config(self, cfg):
         from orchestrator.config import ConfigError
 

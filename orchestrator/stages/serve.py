@@ -7,15 +7,19 @@ or the project's reference engine (CPU). A benchmark never resumes half-way: eac
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import socket
+import time
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from orchestrator import engines
 from orchestrator import layers as layer_contract
-from orchestrator.artifacts import read_json, write_json, write_manifest
+from orchestrator.artifacts import read_json, stable_hash, write_json, write_manifest
 from orchestrator.compute import Compute, resolve_precision
 from orchestrator.config import RootConfig
 from orchestrator.data import conversations, prompt_ids
@@ -85,8 +89,17 @@ def _ids_as_written(cfg: RootConfig, layers: list[int]) -> list[int]:
 
 
 def run_server(
-    cfg: RootConfig, mode: str, target: Path, draft: Path | None, prompts: list[list[int]], out: Path, compute: Compute
+    cfg: RootConfig,
+    mode: str,
+    target: Path,
+    draft: Path | None,
+    prompts: list[list[int]],
+    out: Path,
+    compute: Compute,
+    have: dict[str, list[dict[str, Any]]],
 ) -> dict[str, Any]:
+    """Starts `mode`'s server and runs the passes `have` (concurrency -> the passes cached) lacks of
+    `serve.repeats` per concurrency level; the server's command, log, info, and every pass, cached ones first."""
     s = cfg.serve
     engine = engines.get(s.engine, engines.SERVE)
     port = client.free_port()
@@ -94,12 +107,93 @@ def run_server(
     engine.check_command(cfg, command)
     log = out / f"{mode}_server.log"
     print(f"[serve] {mode}: {' '.join(command)}")
+    passes = {}
+    clock = [time.monotonic()]
     with client.ServerProcess(command, port, log, s.startup_timeout_s, env=engine.server_env(cfg)) as server:
+        clock.append(time.monotonic())
         engine.request(server, prompts[0], min(8, s.max_new_tokens), s.request_timeout_s)  # warm-up
         engine.reset(server)
-        runs = [_median_pass(server, prompts, c, cfg, exact_arithmetic(cfg)) for c in s.concurrency]
+        clock.append(time.monotonic())
+        for c in s.concurrency:
+            cached = have.get(str(c), [])
+            passes[str(c)] = cached + [
+                engine.benchmark(server, prompts, cfg, c) for _ in range(max(0, s.repeats - len(cached)))
+            ]
+        clock.append(time.monotonic())
         info = engine.server_info(server)
-    return {"command": command, "log": str(log), "runs": runs, "server_info": info}
+    # where this server's time went: starting until healthy, the warm-up request, the passes it ran
+    seconds = {k: round(b - a, 3) for k, a, b in zip(("startup_s", "warmup_s", "measure_s"), clock, clock[1:])}
+    return {"command": command, "log": str(log), "passes": passes, "server_info": info, "seconds": seconds}
+
+
+def measurement_keys(stage_keys: dict[str, str], measuring: str | None, prompts: list[list[int]]) -> dict[str, str]:
+    """The cache keys of the baseline and speculative passes: the plan's (pipeline.stage_keys), with what only the
+    job knows: the engine as installed (`Engine.measuring`) and the prompts' token ids."""
+    prompts_sha = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+    return {
+        mode: stable_hash({"plan": stage_keys[f"serve_{mode}"], "engine": measuring, "prompts": prompts_sha})
+        for mode in ("baseline", "speculative")
+    }
+
+
+def measure(
+    cfg: RootConfig,
+    run: tuple[str, str],
+    mode: str,
+    key: str,
+    started: dict[str, bool],
+    start: Callable[[dict], dict[str, Any]],
+) -> dict[str, Any]:
+    """`mode`'s server as measured under `key`: from `outputs/cache/serve/<mode>/<key>/`, where as many passes per
+    concurrency level as `serve.repeats` asks are there, else `start(have)` runs the missing ones and they are added
+    (`serve.force`: all measured again). One measurement per key: a run (a sweep point) that finds another measuring
+    the same key waits for it, then takes its passes. `started` records whether a server started and who measured
+    the passes (`run`: this run's MLflow run id and folder; the host and time)."""
+    from filelock import FileLock
+
+    s = cfg.serve
+    folder = cfg.outputs / "cache" / "serve" / mode / key
+    folder.mkdir(parents=True, exist_ok=True)
+    record_path = folder / "measured.json"
+    with FileLock(str(folder / ".lock")):
+        record = cached_record(cfg, mode, key)
+        have = (record or {}).get("passes", {})
+        missing = {str(c): s.repeats - len(have.get(str(c), [])) for c in s.concurrency}
+        if record is not None and all(n <= 0 for n in missing.values()):
+            print(f"[serve] {mode}: cached, measured by {_who(record['measured_by'])} ({record_path})")
+            started[mode] = False
+        else:
+            fresh = start(have)
+            here = {"mlflow_run_id": run[0], "run_dir": run[1], "host": socket.gethostname()}
+            here |= {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "passes": missing}
+            here["seconds"] = fresh["seconds"]
+            record = {k: v for k, v in fresh.items() if k != "passes"} | {
+                "key": key,
+                "passes": fresh["passes"],
+                "measured_by": ([] if s.force else (record or {}).get("measured_by", [])) + [here],
+            }
+            write_json(record_path, record)
+            started[mode] = True
+    runs = [_median_pass(record["passes"][str(c)][: s.repeats], c, exact_arithmetic(cfg)) for c in s.concurrency]
+    return {k: v for k, v in record.items() if k != "passes"} | {"runs": runs}
+
+
+def cached_record(cfg: RootConfig, mode: str, key: str) -> dict[str, Any] | None:
+    """`mode`'s cached measurement under `key` (as many passes as it holds), or None (`serve.force`: none)."""
+    path = cfg.outputs / "cache" / "serve" / mode / key / "measured.json"
+    return read_json(path, f"{mode} measurement") if path.exists() and not cfg.serve.force else None
+
+
+def _who(measured_by: list[dict[str, Any]]) -> str:
+    return "; ".join(f"run {m['mlflow_run_id']} on {m['host']} at {m['at']}" for m in measured_by)
+
+
+def measured_elsewhere(measured_by: list[dict[str, Any]], run_id: str) -> str | None:
+    """Where passes this run did not measure came from another machine or another day: which, in words."""
+    here, today = socket.gethostname(), datetime.now(timezone.utc).date().isoformat()
+    other = [m for m in measured_by if m["mlflow_run_id"] != run_id]
+    away = [m for m in other if m["host"] != here or not m["at"].startswith(today)]
+    return f"measured by {_who(away)}" if away else None
 
 
 def exact_arithmetic(cfg: RootConfig) -> bool:
@@ -123,16 +217,13 @@ def differing_token_rate(a: list[list[int]], b: list[list[int]]) -> float:
     return differing / total if total else 0.0
 
 
-def _median_pass(server, prompts: list[list[int]], concurrency: int, cfg: RootConfig, exact: bool) -> dict[str, Any]:
-    """`serve.repeats` passes over the prompt set; the median pass by tok/s, with every pass's tok/s and the rate
-    of tokens that differ from the first pass. Each pass is the engine's own benchmark: its API, and where it
-    counts them (vLLM), its own counters for what the draft achieved."""
-    s = cfg.serve
-    engine = engines.get(s.engine, engines.SERVE)
-    passes = [engine.benchmark(server, prompts, cfg, concurrency) for _ in range(s.repeats)]
+def _median_pass(passes: list[dict[str, Any]], concurrency: int, exact: bool) -> dict[str, Any]:
+    """The median of `serve.repeats` passes over the prompt set by tok/s, with every pass's tok/s and the rate of
+    tokens that differ from the first pass. Each pass is the engine's own benchmark: its API, and where it counts
+    them (vLLM), its own counters for what the draft achieved."""
     between = max(differing_token_rate(passes[0]["output_ids"], p["output_ids"]) for p in passes)
     if between and exact:
-        raise server.fail(
+        raise client.ServerError(
             f"greedy outputs differ between passes at concurrency {concurrency} ({between:.2%} of tokens), in float32 "
             "on the reference engine, which computes them exactly: the server is not deterministic"
         )
@@ -160,8 +251,17 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     tracker.tags({"serve.eagle_aux_hidden_state_layer_ids": json.dumps(ids)})  # the layers' param is aux_layers
     # the engine's own loader on the draft, where it has one (vLLM): nothing it reads and drops, nothing unloaded,
     # and every runner of the engine feeding it the states it was trained on, by the runners' own reading
+    tokenizer = load_tokenizer(target, cfg.target.trust_remote_code, cfg.data.chat_template)
+    _, val_convs = conversations(cfg.data, cfg.seed)
+    prompts = [prompt_ids(tokenizer, c, cfg.data.max_seq_len) for c in val_convs[: s.prompts]]
+    keys = measurement_keys(plan.stage_keys, engine.measuring(installed), prompts)
     trained = draft_export.provenance(draft).get("aux_layers")
-    loaded = engine.check_draft(cfg, target, draft, trained)
+    # the loader check's answer is a function of the draft, the target's config and the engine as installed, all in
+    # the speculative passes' key: where those passes are cached, so is it
+    spec_cached = cached_record(cfg, "speculative", keys["speculative"]) or {}
+    loaded = (
+        spec_cached["load_check"] if "load_check" in spec_cached else engine.check_draft(cfg, target, draft, trained)
+    )
     if loaded is not None and loaded["problems"]:
         raise sglang_engine.ServingRefused(
             f"{s.engine} {loaded['version']} would serve the draft {draft} ({loaded['model_class']}) "
@@ -176,14 +276,19 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             raise sglang_engine.ServingRefused(refusal)
         flags.append(f"serve: guard off, serving anyway: {refusal}")
 
-    tokenizer = load_tokenizer(target, cfg.target.trust_remote_code, cfg.data.chat_template)
-    _, val_convs = conversations(cfg.data, cfg.seed)
-    prompts = [prompt_ids(tokenizer, c, cfg.data.max_seq_len) for c in val_convs[: s.prompts]]
-
-    servers = {}
+    run = (tracker.run_id, plan.run_dir)
+    servers: dict[str, dict[str, Any]] = {}
+    started: dict[str, bool] = {}
     try:
-        servers["baseline"] = run_server(cfg, "baseline", target, None, prompts, out, compute)
-        servers["speculative"] = run_server(cfg, "speculative", target, draft, prompts, out, compute)
+        servers["baseline"] = measure(
+            cfg, run, "baseline", keys["baseline"], started,
+            lambda have: run_server(cfg, "baseline", target, None, prompts, out, compute, have),
+        )  # fmt: skip
+        servers["speculative"] = measure(
+            cfg, run, "speculative", keys["speculative"], started,
+            lambda have: run_server(cfg, "speculative", target, draft, prompts, out, compute, have)
+            | {"load_check": loaded},
+        )  # fmt: skip
     finally:
         for mode in ("baseline", "speculative"):
             log = out / f"{mode}_server.log"
@@ -251,6 +356,19 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         "eagle_aux_hidden_state_layer_ids": ids,
         "compute": compute.describe(),
     }
+    # which passes this run measured, and who measured the others (a sweep's points share one baseline)
+    result["servers_started"] = started
+    # each server this run started: its start-up, warm-up and measurement (seconds); a cached one started none
+    result["server_seconds"] = {mode: servers[mode]["seconds"] for mode in servers if started[mode]}
+    result["measured_by"] = {mode: servers[mode]["measured_by"] for mode in servers}
+    result["serve_keys"] = keys
+    elsewhere = measured_elsewhere(servers["baseline"]["measured_by"], tracker.run_id)
+    if elsewhere:
+        result["baseline_from"] = elsewhere
+    tracker.tags(
+        {f"serve.{mode}_measured_by": ", ".join(m["mlflow_run_id"] for m in servers[mode]["measured_by"])
+         for mode in servers}
+    )  # fmt: skip
     if loaded is not None:
         result[f"{s.engine}_load_check"] = {
             k: loaded[k] for k in ("model_class", "unused", "missing", "runners", "fed", "runner_here")
@@ -293,7 +411,9 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             "accept_length",
             "eval_expected_accept_length",
             "greedy_outputs_identical",
+            "baseline_from",
         )
+        if k in result or k != "baseline_from"
     }
 
     tracker.stage_result("serve", result)
