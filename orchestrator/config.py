@@ -257,6 +257,9 @@ class ServeConfig:
     # pass must produce the same greedy outputs.
     repeats: int = MISSING
     startup_timeout_s: float = MISSING
+    # What one server start takes on the cluster (loading the target, building graphs), in minutes: what the layer
+    # search's dry run prices the server starts the cache saves at. None: starts are counted, not priced.
+    startup_estimate_min: Optional[float] = MISSING
     request_timeout_s: float = MISSING
     accept_length_tolerance: float = MISSING
     # Where arithmetic is not exact (bf16; an engine that batches), the fraction of greedy output tokens that may

@@ -41,7 +41,7 @@ CONTENT_ADDRESSED = ("extract", "train", "eval")
 # installed version must equal
 SERVE_DECIDES_NOTHING = (
     "python", "fallback", "fallback_reason", "repeats", "startup_timeout_s", "request_timeout_s", "guard", "force",
-    "accept_length_tolerance", "greedy_token_tolerance", "sglang_version", "vllm_version",
+    "accept_length_tolerance", "greedy_token_tolerance", "sglang_version", "vllm_version", "startup_estimate_min",
 )  # fmt: skip
 # serve.* that only the speculative server reads
 SERVE_SPECULATIVE_ONLY = ("layers", "num_steps", "eagle_topk", "num_draft_tokens")

@@ -261,6 +261,32 @@ def print_space(search: SearchConfig, space: Space, cfg: RootConfig, storage: di
         f"value: {objective_name(cfg)} (maximised); {search.n_trials} trials, {search.n_jobs} at a time; pruner "
         f"{search.pruner['_target_']} on train/val_{search.prune_metric}; study at {study_dir}"
     )
+    savings = serving_savings(search, cfg)
+    if savings:
+        print(savings)
+
+
+def serving_savings(search: SearchConfig, cfg: RootConfig) -> str | None:
+    """What the serve cache (stages/serve.py) saves the search: every trial that reaches serve shares one baseline
+    (the target served without a draft, whatever the layers), so N trials start N + 1 servers, not 2N. Priced at
+    serve.startup_estimate_min per start on serve's GPUs. None where the search does not serve."""
+    if "serve" not in cfg.stages:
+        return None
+    n = search.n_trials
+    r = cfg.serve.resources
+    gpus = r.nodes * r.gpus_per_node
+    line = (
+        f"serving: at most {n} trials reach serve; they start {n} speculative servers and one baseline (none where "
+        f"outputs/cache/serve holds it), not {2 * n}: {n - 1} target start-ups and {n - 1} baseline measurements saved"
+    )
+    est = cfg.serve.startup_estimate_min
+    if est is None:
+        return line + " (serve.startup_estimate_min=null: not priced)"
+    hours = (n - 1) * est / 60
+    return line + (
+        f", {hours:,.1f} h of start-up on {gpus} GPU{'s' if gpus != 1 else ''} each: {hours * gpus:,.0f} GPU-hours "
+        f"(serve.startup_estimate_min={est:g}, before the measurements themselves)"
+    )
 
 
 def point_config_like(cfg: RootConfig, point: list[int]) -> RootConfig:

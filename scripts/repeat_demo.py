@@ -2,11 +2,10 @@
 
     .venv/bin/python scripts/repeat_demo.py [--runs 5] [hydra overrides...]
 
-The first run builds (or reuses) the target, the extraction and the draft; every run then evaluates and serves
-anew, so the spread is that of eval (deterministic: it should be none) and of the serve benchmark (timing
-noise). Also prints the engine that served (vLLM where scripts/make_vllm_env.sh built it), vLLM's acceptance
-per position and latencies, or the serve cycle's profile (the reference engine's mean ms per phase). Writes
-outputs/repeat_demo.json.
+The first run builds (or reuses) the target, the extraction, the draft and eval's result; every run then serves
+anew (serve.force=true), so the spread is that of the serve benchmark (timing noise). Also prints the engine that
+served (vLLM where scripts/make_vllm_env.sh built it), vLLM's acceptance per position and latencies, or the serve
+cycle's profile (the reference engine's mean ms per phase). Writes outputs/repeat_demo.json.
 """
 
 from __future__ import annotations
@@ -71,7 +70,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     args, overrides = parser.parse_known_args()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = load(compose("config", overrides=["+experiment=tiny_eagle3", "run_name=repeat_demo", *overrides]))
+        # serve.force: every run serves anew (its passes are the spread measured); eval is deterministic, cached
+        base = ["+experiment=tiny_eagle3", "run_name=repeat_demo", "serve.force=true"]
+        cfg = load(compose("config", overrides=[*base, *overrides]))
     summaries = []
     with tempfile.TemporaryDirectory() as runs:
         for i in range(args.runs):

@@ -148,6 +148,21 @@ def test_dry_run_prints_the_union_storage(tmp_path, capsys):
     assert "dry run: nothing submitted" in out and not (tmp_path / "search").exists()
 
 
+def test_the_kimi_dry_run_prices_the_server_starts_the_serve_cache_saves(tmp_path, capsys):
+    """40 trials share one baseline: 39 target start-ups saved, each 8 minutes on 8 GPUs (serve.startup_estimate_min,
+    its sources in conf/experiment/kimi_eagle3.yaml): 5.2 h, 42 GPU-hours. Without an estimate, counted only."""
+    kimi = {"experiment": "kimi_eagle3", "space": "kimi_k25"}
+    # the union of 60 candidate layers needs 3,940 GB of states: a disk that holds them
+    assert search.main(compose_search(tmp_path, "dry_run=true", "extract.max_bytes=4e12", **kimi)) == 0
+    out = capsys.readouterr().out
+    assert "they start 40 speculative servers and one baseline" in out and "not 80: 39 target start-ups" in out, out
+    assert "5.2 h of start-up on 8 GPUs each: 42 GPU-hours (serve.startup_estimate_min=8," in out, out
+    unpriced = ("dry_run=true", "extract.max_bytes=4e12", "serve.startup_estimate_min=null")
+    unpriced = compose_search(tmp_path, *unpriced, **kimi)
+    assert search.main(unpriced) == 0
+    assert "(serve.startup_estimate_min=null: not priced)" in capsys.readouterr().out
+
+
 def _study(outputs: Path, name: str) -> optuna.Study:
     return optuna.load_study(study_name=name, storage=f"sqlite:///{outputs / 'search' / name / 'optuna.db'}")
 

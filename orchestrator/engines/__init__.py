@@ -10,7 +10,7 @@ An engine is what the stages ask, never a name they compare:
     launch       `launch_command`, `server_env`, `check_command` (its own parser), `check_config`
     id rule      `version` (the version whose rule applies) and `id_rule(family, version)`: which target state
                  each id of a draft config or capture request names (the rules are orchestrator/layers.py's)
-    draft check  `check_draft`: the engine's own loader on an exported draft, before any server starts
+    draft check  `check_draft`: the engine's own loader on an exported draft, before the draft's server starts
     capture      `check_capture`, `capture_record`, `open_capture`: the target's states for the extract stage
     statistics   `request`, `benchmark` (tok/s and the accept length as the engine counts it), `server_info`,
                  `exact` (whether greedy outputs with and without the draft must agree token for token)

@@ -8,7 +8,8 @@ docs/engines.md#vllm).
                      them through vLLM's own parser
     capture_states   the target's states at given layer ids, by vLLM's own extractor (vllm_side/capture.py)
     check_draft_loads  the exported draft loaded by vLLM's own model loader (vllm_side/load_check.py, run in vLLM's
-                     environment): every checkpoint tensor used, every parameter loaded, before any server starts
+                     environment): every checkpoint tensor used, every parameter loaded, before the draft's server
+                     starts
     benchmark        one pass over the prompt set through /v1/completions, with the pass's speculative-decoding
                      statistics as vLLM counts them: the difference of its /metrics counters before and after
 

@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -97,9 +98,12 @@ def run_server(
     out: Path,
     compute: Compute,
     have: dict[str, list[dict[str, Any]]],
+    ready: Callable[[], Any] = lambda: None,
 ) -> dict[str, Any]:
     """Starts `mode`'s server and runs the passes `have` (concurrency -> the passes cached) lacks of
-    `serve.repeats` per concurrency level; the server's command, log, info, and every pass, cached ones first."""
+    `serve.repeats` per concurrency level; the server's command, log, info, and every pass, cached ones first.
+    `ready` is waited for once the server is up, before any request: work overlapped with its start-up (the
+    loader check) ends before anything is timed."""
     s = cfg.serve
     engine = engines.get(s.engine, engines.SERVE)
     port = client.free_port()
@@ -110,6 +114,7 @@ def run_server(
     passes = {}
     clock = [time.monotonic()]
     with client.ServerProcess(command, port, log, s.startup_timeout_s, env=engine.server_env(cfg)) as server:
+        ready()
         clock.append(time.monotonic())
         engine.request(server, prompts[0], min(8, s.max_new_tokens), s.request_timeout_s)  # warm-up
         engine.reset(server)
@@ -231,6 +236,25 @@ def _median_pass(passes: list[dict[str, Any]], concurrency: int, exact: bool) ->
     return median | {"output_tok_s_passes": [p["output_tok_s"] for p in passes], "pass_differing_token_rate": between}
 
 
+def _refuse_or_flag(cfg: RootConfig, draft: Path, loaded: dict[str, Any] | None, flags: list[str]) -> None:
+    """The engine's loader check's verdict: a draft it would serve without all its weights is refused; one it would
+    feed other layers than it was trained on is refused by the guard, or flagged with the guard off."""
+    s = cfg.serve
+    if loaded is not None and loaded["problems"]:
+        raise sglang_engine.ServingRefused(
+            f"{s.engine} {loaded['version']} would serve the draft {draft} ({loaded['model_class']}) "
+            "without all of its weights:\n  - "
+            + "\n  - ".join(loaded["problems"])
+            + f"\nThe export's weight names are not the ones {s.engine}'s loader takes (docs/engines.md)"
+        )
+    if loaded is not None and loaded["layer_problems"]:
+        refusal = f"{s.engine} {loaded['version']} would feed the draft {draft} other layers than it was trained on:"
+        refusal += "\n  - " + "\n  - ".join(loaded["layer_problems"])
+        if s.guard:
+            raise sglang_engine.ServingRefused(refusal)
+        flags.append(f"serve: guard off, serving anyway: {refusal}")
+
+
 def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     s = cfg.serve
     out = plan.dir("serve")
@@ -259,22 +283,14 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     # the loader check's answer is a function of the draft, the target's config and the engine as installed, all in
     # the speculative passes' key: where those passes are cached, so is it
     spec_cached = cached_record(cfg, "speculative", keys["speculative"]) or {}
-    loaded = (
-        spec_cached["load_check"] if "load_check" in spec_cached else engine.check_draft(cfg, target, draft, trained)
+    # It runs beside the baseline server's start-up (a CPU process of its own; the baseline never depends on the
+    # draft), and ends before the baseline's first request; its verdict comes before the speculative server starts.
+    pool = ThreadPoolExecutor(max_workers=1)
+    check = pool.submit(
+        (lambda: spec_cached["load_check"])
+        if "load_check" in spec_cached
+        else (lambda: engine.check_draft(cfg, target, draft, trained))
     )
-    if loaded is not None and loaded["problems"]:
-        raise sglang_engine.ServingRefused(
-            f"{s.engine} {loaded['version']} would serve the draft {draft} ({loaded['model_class']}) "
-            "without all of its weights:\n  - "
-            + "\n  - ".join(loaded["problems"])
-            + f"\nThe export's weight names are not the ones {s.engine}'s loader takes (docs/engines.md)"
-        )
-    if loaded is not None and loaded["layer_problems"]:
-        refusal = f"{s.engine} {loaded['version']} would feed the draft {draft} other layers than it was trained on:"
-        refusal += "\n  - " + "\n  - ".join(loaded["layer_problems"])
-        if s.guard:
-            raise sglang_engine.ServingRefused(refusal)
-        flags.append(f"serve: guard off, serving anyway: {refusal}")
 
     run = (tracker.run_id, plan.run_dir)
     servers: dict[str, dict[str, Any]] = {}
@@ -282,14 +298,17 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     try:
         servers["baseline"] = measure(
             cfg, run, "baseline", keys["baseline"], started,
-            lambda have: run_server(cfg, "baseline", target, None, prompts, out, compute, have),
+            lambda have: run_server(cfg, "baseline", target, None, prompts, out, compute, have, ready=check.result),
         )  # fmt: skip
+        loaded = check.result()
+        _refuse_or_flag(cfg, draft, loaded, flags)
         servers["speculative"] = measure(
             cfg, run, "speculative", keys["speculative"], started,
             lambda have: run_server(cfg, "speculative", target, draft, prompts, out, compute, have)
             | {"load_check": loaded},
         )  # fmt: skip
     finally:
+        pool.shutdown()
         for mode in ("baseline", "speculative"):
             log = out / f"{mode}_server.log"
             if log.exists():
