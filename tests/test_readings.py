@@ -74,7 +74,7 @@ def test_the_candidates_are_every_reading_and_it_shifted_by_one():
     }
 
 
-def test_a_reading_is_named_only_when_its_loss_is_below_every_others_by_three_standard_errors():
+def test_a_reading_is_named_only_when_its_loss_is_below_every_others_by_three_standard_errors_and_a_margin():
     """Paired over the same sequences: a loss_0 lower by 5 per 100 positions on every one of 40 sequences is clear;
     the same mean difference, alternating -25 and +15, is within the noise. acc_0 does not decide: the clear case's
     winner has the lower acc_0."""
@@ -91,26 +91,38 @@ def test_a_reading_is_named_only_when_its_loss_is_below_every_others_by_three_st
     ]
     found, why = readings.verdict(noisy)
     assert found is None and why.startswith("cannot tell"), why
+    # consistent on every sequence, so many standard errors, but 0.0001 on a loss_0 of 6.09: a tie (MIN_LEAD)
+    alike = [
+        {"layers": [2, 5, 7], "loss_0": 6.0914, "acc_0": 0.04, "per_sequence": [S(4, 100, 609.14)] * 48},
+        {"layers": [1, 4, 6], "loss_0": 6.0915, "acc_0": 0.06, "per_sequence": [S(6, 100, 609.15)] * 48},
+    ]
+    found, why = readings.verdict(alike)
+    assert found is None and "only 0.0001 below [1, 4, 6]" in why and "under 0.1%" in why, why
 
 
 def test_a_relabeled_draft_is_read_searched_and_measured_by_eval_like_the_trained_one(fast_cache, tiny_config,
                                                                                       tmp_path):  # fmt: skip
     """The FAST draft (trained on [1, 4, 6]) relabeled: `check_draft=` prints each engine's reading (vLLM reads
-    [2, 5, 7] as the trained layers; SGLang's Llama rule captures two states only, id 7 being the last layer), finds
-    the trained layers by the loss_0 search, and refuses serve.engine=reference, which reads SGLang's
-    convention. Imported with train.from_draft (aux_layers [1, 4, 6]), eval measures exactly what it measures for
-    the trained draft: the same weights fed the same states."""
+    [2, 5, 7] as the trained layers; SGLang's Llama rule captures two states only, id 7 being the last layer), and
+    refuses serve.engine=reference, which reads SGLang's convention. The loss_0 search cannot name this draft's
+    layers: 16 steps on the weak FAST target leave its loss_0 at 6.09 under every reading, within 0.0001, and it
+    says so rather than name one (over 48 sequences those consistent 0.0001 named [2, 5, 7] at 12.7 standard errors
+    before `readings.MIN_LEAD`); the demo's draft is named (the README's table, scripts/find_trained_layers.py).
+    Imported with train.from_draft (aux_layers [1, 4, 6]), eval measures exactly what it measures for the trained
+    draft: the same weights fed the same states."""
     outputs = fast_cache("extract", "train", "eval")
     cfg = tiny_config("cluster=local")
     plan = make_plan(cfg, tmp_path / "run")
     draft = tmp_path / "relabeled"
     assert formats.relabel(plan.dir("train") / "draft", draft, "vllm", "llama", 8, "0.32.0") == [2, 5, 7]
     assert not (draft / "orchestrator.json").exists()
-    findings = preflight.run_checks(cfg, plan, str(draft))
+    # the search over 48 validation conversations (FAST holds 16): enough sequences for many standard errors
+    check = tiny_config("cluster=local", "data.max_val_conversations=48", "eval.max_conversations=48")
+    findings = preflight.run_checks(check, make_plan(check, tmp_path / "check"), str(draft))
     by = {f.category: f for f in findings if f.category in ("draft format", "trained layers")}
     assert by["draft format"].ok and "vllm format" in by["draft format"].message
     trained = by["trained layers"].message
-    assert "does best on [1, 4, 6] by loss_0" in trained, trained
+    assert "cannot tell" in trained and "under 0.1%" in trained, trained
     refused = [f for f in findings if f.category == "layer ids" and not f.ok]
     assert len(refused) == 1 and "captures 2 states for 3 ids" in refused[0].message, refused
 
