@@ -639,11 +639,3 @@ def print_report(findings: list[Finding]) -> None:
     for f in findings:
         table.add_row(f.category, "ok" if f.ok else "[red]FAIL[/red]", f.message, f.fix)
     Console(width=200).print(table)
-
-
-def assert_serveable(cfg: RootConfig, draft_dir: Path, target_dir: Path) -> list[Any]:
-    """Stage boundary before serving: raises PreflightError unless the guard is off (then returns the failures)."""
-    bad = failures(draft_findings(cfg, draft_dir, target_dir))
-    if bad and cfg.serve.guard:
-        raise PreflightError(bad)
-    return bad

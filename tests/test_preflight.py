@@ -139,8 +139,6 @@ def test_off_by_one_ids_in_draft_config(setup):
     [finding] = failing(preflight.draft_findings(cfg, draft, target), "layer ids")
     assert "captures only 2 states" in finding.message and "[1, 4, 6]" in finding.message
     assert "set it to [1, 4, 6]" in finding.fix
-    with pytest.raises(preflight.PreflightError):
-        preflight.assert_serveable(cfg, draft, target)
 
 
 def test_kimi_embedding_written_as_is(tiny_config, setup):
