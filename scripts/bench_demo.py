@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# the targets for the demo on 2 cores
+# what the demo aims for on 2 cores, cold and warm
 COLD_TARGET_S, WARM_TARGET_S = 180, 30
 
 

@@ -157,10 +157,9 @@ def measure(
     from filelock import FileLock
 
     s = cfg.serve
-    folder = cfg.outputs / "cache" / "serve" / mode / key
-    folder.mkdir(parents=True, exist_ok=True)
-    record_path = folder / "measured.json"
-    with FileLock(str(folder / ".lock")):
+    record_path = _record_path(cfg, mode, key)
+    record_path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(record_path.parent / ".lock")):
         record = cached_record(cfg, mode, key)
         have = (record or {}).get("passes", {})
         missing = {str(c): s.repeats - len(have.get(str(c), [])) for c in s.concurrency}
@@ -185,8 +184,12 @@ def measure(
 
 def cached_record(cfg: RootConfig, mode: str, key: str) -> dict[str, Any] | None:
     """`mode`'s cached measurement under `key` (as many passes as it holds), or None (`serve.force`: none)."""
-    path = cfg.outputs / "cache" / "serve" / mode / key / "measured.json"
+    path = _record_path(cfg, mode, key)
     return read_json(path, f"{mode} measurement") if path.exists() and not cfg.serve.force else None
+
+
+def _record_path(cfg: RootConfig, mode: str, key: str) -> Path:
+    return cfg.outputs / "cache" / "serve" / mode / key / "measured.json"
 
 
 def _who(measured_by: list[dict[str, Any]]) -> str:
@@ -430,10 +433,10 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             "accept_length",
             "eval_expected_accept_length",
             "greedy_outputs_identical",
-            "baseline_from",
         )
-        if k in result or k != "baseline_from"
     }
+    if "baseline_from" in result:  # beside the speedup: a baseline another machine or day measured
+        result["headline"]["baseline_from"] = result["baseline_from"]
 
     tracker.stage_result("serve", result)
     tracker.tags({"serve.mismatch": str(result["mismatch"]).lower()})
