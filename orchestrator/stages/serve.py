@@ -294,6 +294,11 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         if "load_check" in spec_cached
         else (lambda: engine.check_draft(cfg, target, draft, trained))
     )
+    if s.resources.gpus_per_node:
+        # On GPUs a starting server sizes its KV cache from the device memory it finds free; the check's process
+        # (vLLM's engine config and loader, building on the CPU) is not proven never to open a device context, so
+        # there it ends before any server starts: seconds beside a start-up of minutes.
+        check.result()
 
     run = (tracker.run_id, plan.run_dir)
     servers: dict[str, dict[str, Any]] = {}
