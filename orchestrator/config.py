@@ -457,6 +457,10 @@ def validate(cfg: RootConfig) -> None:
     check_speculative_args(s)
     check(s.repeats >= 1, f"serve.repeats={s.repeats}: expected >= 1")
     check(
+        s.startup_estimate_min is None or s.startup_estimate_min > 0,
+        f"serve.startup_estimate_min={s.startup_estimate_min}: expected minutes > 0, or null (not priced)",
+    )
+    check(
         s.prompts >= 1 and s.max_new_tokens >= 1,
         f"serve.prompts={s.prompts}, serve.max_new_tokens={s.max_new_tokens}: expected >= 1 each",
     )

@@ -80,6 +80,7 @@ def test_stage_configs_do_not_repeat_the_layer_list():
         ("stages=[train]", "prefix"),
         ("extract.teacher=logits", "extract.teacher='logits': expected one of"),
         ("serve.repeats=0", "serve.repeats"),
+        ("serve.startup_estimate_min=-8", "serve.startup_estimate_min=-8.0: expected minutes > 0"),
         ("serve.concurrency=[]", "serve.concurrency"),
         ("data.regenerate.temperature=-1", "data.regenerate.temperature"),
         ("data.regenerate.max_new_tokens=0", "data.regenerate.max_new_tokens"),
