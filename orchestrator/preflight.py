@@ -360,7 +360,7 @@ def extraction_findings(cfg: RootConfig, extract_dir: Path, target_dir: Path | N
 
 def draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path | None, as_served: bool = False) -> list[Finding]:
     """The draft directory against SGLang's rules, the trained layers, tokenizer and TTT depth. `as_served`: the
-    plan's own trained draft, which the serve stage rewrites for its engine (stages.serve.served_draft_dir), so
+    plan's own trained draft, which the serve stage rewrites for its engine (draft.served.served_draft_dir), so
     its ids are checked as they will be written, serve.layers in serve.engine's convention."""
     from orchestrator.draft import export as draft_export
     from orchestrator.serving import sglang as sglang_engine
@@ -386,7 +386,7 @@ def draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path | None, as
         try:
             ids = serve_ids(cfg, list(cfg.serve.layers))
         except layer_contract.LayerContractError:
-            ids = list(cfg.serve.layers)  # written as-is (stages.serve._ids_as_written), refused below
+            ids = list(cfg.serve.layers)  # written as-is (draft.served._ids_as_written), refused below
     prov_path = draft_dir / draft_export.PROVENANCE
     if not prov_path.exists():
         out.append(

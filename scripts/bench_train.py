@@ -21,6 +21,8 @@ from orchestrator import conf_dir
 from orchestrator.config import load
 from orchestrator.pipeline import make_plan, run_pipeline
 from orchestrator.stages import train as T
+from orchestrator.states import manifest as state_manifest
+from orchestrator.states import shards, source
 
 
 def main(overrides: list[str]) -> None:
@@ -31,17 +33,17 @@ def main(overrides: list[str]) -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="bench_train_"))
     run_pipeline(cfg, run_dir)
     plan = make_plan(cfg, run_dir)
-    manifest = T.load_manifest_checked(plan.dir("extract"), cfg)
+    manifest = state_manifest.load_manifest_checked(plan.dir("extract"), cfg)
     tc = cfg.train
 
     started = time.perf_counter()
-    seqs = T.load_split(plan.dir("extract"), manifest, "train")
+    seqs = shards.load_split(plan.dir("extract"), manifest, "train")
     read_s = time.perf_counter() - started
     steps = 20
     started = time.perf_counter()
     loader_tokens = 0
     for step in range(steps):
-        batch = T.collate([seqs[i] for i in T.batches_for_step(len(seqs), tc.batch_size, tc.seed, step)])
+        batch = T.collate([seqs[i] for i in source.step_indices(len(seqs), tc.batch_size, tc.seed, step)])
         loader_tokens += int(batch.lengths.sum())
     loader_tps = loader_tokens / (time.perf_counter() - started)
 
@@ -52,7 +54,7 @@ def main(overrides: list[str]) -> None:
     train_tokens = 0
     started = time.perf_counter()
     for step in range(steps):
-        batch = T.collate([seqs[i] for i in T.batches_for_step(len(seqs), tc.batch_size, tc.seed, step)])
+        batch = T.collate([seqs[i] for i in source.step_indices(len(seqs), tc.batch_size, tc.seed, step)])
         loss, _ = T.ttt_forward(draft, head, batch, tc.ttt_steps, kept, weights)
         optim.zero_grad()
         loss.backward()

@@ -26,8 +26,8 @@ from orchestrator.config import ConfigError
 from orchestrator.pipeline import make_plan, run_pipeline
 from orchestrator.preflight import PreflightError, node_limit_findings
 from orchestrator.runner import StageFailed
-from orchestrator.stages import train as train_stage
 from orchestrator.stages.serve import differing_token_rate, exact_arithmetic
+from orchestrator.states import shards as state_shards
 from orchestrator.targets import ensure_target, load_target
 from orchestrator.tracking import SPOOL, Tracker, TrackingUnreachable, tracking_uri
 from orchestrator.tracking import check_reachable as tracking_check
@@ -142,12 +142,12 @@ def test_shards_are_verified_once_and_a_corrupt_one_is_refused_naming_the_fix(ex
     cfg, folder = extraction
     manifest = json.loads((folder / "manifest.json").read_text())
     hashed = []
-    monkeypatch.setattr(train_stage, "file_sha256", lambda p: hashed.append(p) or file_sha256(p))
+    monkeypatch.setattr(state_shards, "file_sha256", lambda p: hashed.append(p) or file_sha256(p))
     shards = [r["file"] for s in ("train", "val") for r in manifest["splits"][s]["shards"]]
-    train_stage.verify_shards(folder, manifest, cpu())
+    state_shards.verify_shards(folder, manifest, cpu())
     assert len(hashed) == len(shards) + 1  # each shard, and the manifest the stamp is of
     hashed.clear()
-    train_stage.verify_shards(folder, manifest, cpu())
+    state_shards.verify_shards(folder, manifest, cpu())
     assert len(hashed) == 1, "a second training trusts the stamp: only the manifest is hashed"
 
     victim = folder / shards[1]
@@ -155,13 +155,13 @@ def test_shards_are_verified_once_and_a_corrupt_one_is_refused_naming_the_fix(ex
     data[len(data) // 2] ^= 0x01  # one flipped bit, in place: same size
     victim.write_bytes(bytes(data))
     with pytest.raises(ArtifactError) as corrupt:
-        train_stage.verify_shards(folder, manifest, cpu())
+        state_shards.verify_shards(folder, manifest, cpu())
     assert f"{victim}: its sha256 differs" in str(corrupt.value)
     assert f"Delete the extraction ({folder}), or run with extract.force=true" in str(corrupt.value)
 
     victim.write_bytes(bytes(data[:-100]))  # truncated: refused by its size alone, on every rank
     with pytest.raises(ArtifactError, match=rf"{victim}: {len(data) - 100} bytes, but the extraction manifest says"):
-        train_stage.load_split(folder, manifest, "train", verify=False)
+        state_shards.load_split(folder, manifest, "train", verify=False)
 
 
 def test_extract_force_extracts_again_over_a_corrupt_extraction(extraction, tmp_path):
@@ -175,7 +175,7 @@ def test_extract_force_extracts_again_over_a_corrupt_extraction(extraction, tmp_
     summary = run_pipeline(forced, tmp_path / "forced")
     assert summary["stages"]["extract"]["tokens_extracted_now"] == summary["stages"]["extract"]["tokens"]
     assert shard.read_bytes() == good  # the same states again, bit for bit
-    train_stage.verify_shards(folder, json.loads((folder / "manifest.json").read_text()), cpu())
+    state_shards.verify_shards(folder, json.loads((folder / "manifest.json").read_text()), cpu())
 
 
 def test_two_runs_started_together_on_one_cache_extract_once(outputs, tiny_config, tmp_path):
@@ -317,6 +317,6 @@ def test_a_full_disk_fails_extraction_naming_the_bytes_and_a_rerun_resumes(outpu
         summary = run_pipeline(cfg, tmp_path / "again")
         extract = summary["stages"]["extract"]
         assert 0 < extract["tokens_extracted_now"] < extract["tokens"], "the rerun resumed after the shards that fitted"
-        train_stage.verify_shards(folder, json.loads((folder / "manifest.json").read_text()), cpu())
+        state_shards.verify_shards(folder, json.loads((folder / "manifest.json").read_text()), cpu())
     finally:
         subprocess.run(["umount", "-l", str(folder)], capture_output=True)

@@ -166,7 +166,7 @@ def eager_sequences(folder, manifest, columns):
 
 
 def test_streaming_split_reads_what_was_written(tmp_path):
-    from orchestrator.stages.train import load_split
+    from orchestrator.states.shards import load_split
 
     manifest = write_split(tmp_path, shards=3)
     split = load_split(tmp_path, manifest, "train", [3, 1])
@@ -214,7 +214,9 @@ def test_streaming_split_holds_bounded_ram_whatever_the_data_set_size(tmp_path):
 
 
 def _stream_passes(tmp_path, peaks: dict) -> None:
-    from orchestrator.stages.train import batches_for_step, collate, load_split
+    from orchestrator.stages.train import collate
+    from orchestrator.states.shards import load_split
+    from orchestrator.states.source import step_indices
 
     for shards in (2, 20):
         manifest = write_split(tmp_path / str(shards), shards=shards, per_shard=6, hidden=64)
@@ -223,7 +225,7 @@ def _stream_passes(tmp_path, peaks: dict) -> None:
         split = load_split(tmp_path / str(shards), manifest, "train")
         peak = 0
         for step in range(len(split) // 4):
-            batch = collate([split[i] for i in batches_for_step(len(split), 4, 0, step)])
+            batch = collate([split[i] for i in step_indices(len(split), 4, 0, step)])
             peak = max(peak, _live_tensor_bytes() - before)
             del batch
         held = _live_tensor_bytes() - before

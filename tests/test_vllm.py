@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 from orchestrator import preflight
 from orchestrator.artifacts import read_json
 from orchestrator.draft import export as draft_export
+from orchestrator.draft.served import served_draft_dir
 from orchestrator.pipeline import make_plan, run_pipeline
 from orchestrator.serving import sglang as sglang_engine
 from orchestrator.serving import vllm as vllm_engine
-from orchestrator.stages.serve import served_draft_dir
 from orchestrator.targets import ensure_target, load_tokenizer, target_config_json
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,12 +20,12 @@ from safetensors.torch import load_file, save_file
 
 from orchestrator import engines
 from orchestrator.artifacts import ArtifactError, atomic_path, read_json, write_json
+from orchestrator.compute import DTYPES
 from orchestrator.draft import rope as rope_lib
 from orchestrator.draft.model import DraftShape, Eagle3Draft
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 PROVENANCE = "orchestrator.json"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class DraftFormatError(ArtifactError):

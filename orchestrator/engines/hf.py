@@ -63,16 +63,18 @@ class HFCapture:
 
 
 def extract_chunk(model, tokenizer, chunk, layers: list[int], cfg, compute) -> dict:
-    """A shard's tensors in the project's format (orchestrator/stages/extract.py), `extract.batch_size` sequences
-    per forward, right-padded."""
+    """A shard's tensors (orchestrator/states/shards.py), `extract.batch_size` sequences per forward, right-padded.
+    The hooks capture the teacher where `extract.teacher` says (after the final norm for post_norm), so the
+    assembler norms nothing."""
     import torch
 
     from orchestrator.capture import HiddenStateCapture, base_model
-    from orchestrator.stages.extract import DTYPES
+    from orchestrator.states.assemble import Assembler
+    from orchestrator.states.shards import pack
 
-    dtype = DTYPES[cfg.extract.dtype]
+    assemble = Assembler(cfg.extract.dtype)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids_out, mask_out, aux_out, teacher_out, lens = [], [], [], [], []
+    sequences = []
     decoder = base_model(model)
     with torch.no_grad(), HiddenStateCapture(model, layers, cfg.extract.teacher) as capture:
         for i in range(0, len(chunk), cfg.extract.batch_size):
@@ -87,21 +89,9 @@ def extract_chunk(model, tokenizer, chunk, layers: list[int], cfg, compute) -> d
             # vocabulary), are not stored, so they are not computed; the teacher's are, from its state, in training.
             decoder(input_ids=ids.to(compute.device), attention_mask=attn.to(compute.device), use_cache=False)
             aux, teacher = capture.aux().cpu(), capture.teacher().cpu()
-            for row, r in enumerate(batch):
-                length = len(r.input_ids)
-                ids_out.append(ids[row, :length])
-                mask_out.append(torch.tensor(r.loss_mask, dtype=torch.uint8))
-                aux_out.append(aux[row, :length].to(dtype))
-                teacher_out.append(teacher[row, :length].to(dtype))
-                lens.append(length)
+            sequences += [assemble.sequence(r, aux[row], teacher[row]) for row, r in enumerate(batch)]
             capture.clear()
-    return {
-        "input_ids": torch.cat(ids_out).to(torch.int32),
-        "loss_mask": torch.cat(mask_out),
-        "seq_lens": torch.tensor(lens, dtype=torch.int32),
-        "aux_hidden_states": torch.cat(aux_out).contiguous(),
-        "teacher_hidden_state": torch.cat(teacher_out).contiguous(),
-    }
+    return pack(sequences)
 
 
 ENGINE = HF()

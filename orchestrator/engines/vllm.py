@@ -216,49 +216,36 @@ class VLLMCapture:
     model = None
 
     def __init__(self, tokenizer, files, work, cfg, job: CaptureJob):
+        from orchestrator.states.assemble import Assembler
         from orchestrator.targets import load_head_tensors, target_config_json
 
-        self.tokenizer, self.files, self.work, self.cfg, self.layers = tokenizer, files, work, cfg, len(job.layers)
-        self.norm = load_head_tensors(job.target_path)["norm"] if cfg.extract.teacher == "post_norm" else None
-        self.eps = target_config_json(job.target_path).get("rms_norm_eps", 1e-6)
+        self.tokenizer, self.files, self.work, self.layers = tokenizer, files, work, len(job.layers)
+        # vLLM captures the last layer's output (id N) before the final norm: the assembler norms it for post_norm
+        norm = load_head_tensors(job.target_path)["norm"] if cfg.extract.teacher == "post_norm" else None
+        eps = target_config_json(job.target_path).get("rms_norm_eps", 1e-6)
+        self.assemble = Assembler(cfg.extract.dtype, norm, eps)
 
     def shard(self, split, index, rendered):
-        """One shard in the project's format (as the HF capture writes it) from vLLM's captured states: the aux
-        layers, and the last layer's output (id N, before the final norm: the teacher's source) as
-        `extract.teacher` asks (post_norm: the target's final RMSNorm applied here, as HF's model applies it)."""
-        import torch
+        """One shard's tensors (as the HF capture writes them) from vLLM's captured states: the aux layers, and
+        the last layer's output as the teacher's source (`extract.teacher`)."""
         from safetensors.torch import load_file
 
-        from orchestrator.artifacts import ArtifactError
-        from orchestrator.stages.extract import DTYPES
+        from orchestrator.states.shards import pack
 
-        dtype = DTYPES[self.cfg.extract.dtype]
         files = self.files.pop((split, index))
-        aux, teacher = [], []
+        sequences = []
         for seq, path in zip(rendered, files, strict=True):
             captured = load_file(path)
-            length = len(seq.input_ids)  # one-pass: the capture may hold tokens past the response's cut
-            if captured["token_ids"][:length].tolist() != list(seq.input_ids) or len(captured["token_ids"]) < length:
-                raise ArtifactError(f"vLLM's capture of a {split} sequence holds other tokens than were sent ({path})")
-            hs = captured["hidden_states"][:length].float()  # [T, K+1, H], in the order of the capture's ids
-            last = hs[:, -1]
-            if self.norm is not None:
-                last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
-            aux.append(hs[:, : self.layers].flatten(1).to(dtype))
-            teacher.append(last.to(dtype))
+            hs = captured["hidden_states"]  # [T, K+1, H], in the order of the capture's ids
+            where = f"vLLM's capture of a {split} sequence ({path})"
+            sequences.append(self.assemble.sequence(seq, hs[:, : self.layers], hs[:, -1], captured["token_ids"], where))
         for path in files:
             os.remove(path)
         if not self.files:  # the task's last shard
             shutil.rmtree(self.work)
             with contextlib.suppress(OSError):  # left while another task's folder is in it
                 self.work.parent.rmdir()
-        return {
-            "input_ids": torch.cat([torch.tensor(r.input_ids) for r in rendered]).to(torch.int32),
-            "loss_mask": torch.cat([torch.tensor(r.loss_mask, dtype=torch.uint8) for r in rendered]),
-            "seq_lens": torch.tensor([len(r.input_ids) for r in rendered], dtype=torch.int32),
-            "aux_hidden_states": torch.cat(aux).contiguous(),
-            "teacher_hidden_state": torch.cat(teacher).contiguous(),
-        }
+        return pack(sequences)
 
 
 def capture_all(cfg, job: CaptureJob, tokenizer) -> tuple[dict[tuple[str, int], list[str]], Path]:

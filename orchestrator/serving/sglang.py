@@ -151,7 +151,7 @@ def check_exported_engine(cfg: RootConfig, prov: dict[str, Any], ids: list[int],
     raise ServingRefused(
         f"{where} was exported for {exported} ({rules}: ids {list(ids)} for aux_layers={prov.get('aux_layers')}), "
         f"not for serve.engine={s.engine} ({s.id_rules}); {what}. Fix: serve it through the pipeline, whose serve "
-        f"stage writes the draft for its engine (orchestrator.stages.serve.served_draft_dir), or set "
+        f"stage writes the draft for its engine (orchestrator.draft.served.served_draft_dir), or set "
         f"serve.engine={exported}."
     )
 

@@ -25,6 +25,8 @@ from orchestrator.compute import Compute
 from orchestrator.config import RootConfig
 from orchestrator.data import conversations, prompt_ids
 from orchestrator.draft import export as draft_export
+from orchestrator.draft.served import served_draft_dir
+from orchestrator.states.shards import load_split
 from orchestrator.targets import load_target, tokenizer_hash
 
 
@@ -195,9 +197,6 @@ def mismatch_causes(cfg: RootConfig, prov: dict[str, Any], layers: list[int], ta
 
 
 def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
-    from orchestrator.stages.serve import served_draft_dir
-    from orchestrator.stages.train import load_split
-
     out = plan.dir("eval")
     out.mkdir(parents=True, exist_ok=True)
     draft_dir = served_draft_dir(cfg, plan)
@@ -234,7 +233,8 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         )
         result |= {"mismatch": True, "mismatch_flags": flags}
     else:
-        val_seqs = load_split(extract_dir, manifest, "val", prov["aux_layers"])[: cfg.eval.max_conversations]
+        split = load_split(extract_dir, manifest, "val", prov["aux_layers"])
+        val_seqs = split.take(range(min(cfg.eval.max_conversations, len(split))))
         positions = min(steps, trained_steps) if trained_steps else steps
         acc = text_accuracy(model, draft, layers, val_seqs, positions, compute.device)
         _, val_convs = conversations(cfg.data, cfg.seed)

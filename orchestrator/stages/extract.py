@@ -1,14 +1,7 @@
-"""Extraction: the target's hidden states at `aux_layers` plus the teacher state, for every conversation.
+"""Extraction: the target's hidden states at `aux_layers` plus the teacher state, for every conversation, in the
+shards of orchestrator/states/shards.py, and the manifest that describes them, written last.
 
-Output folder (content-addressed by the plan's cache key):
-    {train,val}/shard_NNNNN.safetensors   input_ids int32[T], loss_mask uint8[T], seq_lens int32[n],
-                                          aux_hidden_states [T, K*H], teacher_hidden_state [T, H]
-    {train,val}/shard_NNNNN.json          size, sha256 and counts of the shard, written after it (its completion mark)
-    token_freq.safetensors                counts int64[V] of loss-masked train tokens (for the draft vocabulary)
-    manifest.json                         written last
-
-Positions are stored unshifted (position t holds the states computed at token t); the trainer applies the
-EAGLE shift. Resumable at shard granularity: a shard with its .json is done and is skipped on restart.
+Resumable at shard granularity: a shard with its .json is done and is skipped on restart.
 Data-parallel: each rank of the job writes its own shards (see `run`); the manifest is written once, after all
 of them.
 """
@@ -21,31 +14,22 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from orchestrator import engines
 from orchestrator import layers as layer_contract
-from orchestrator.artifacts import ArtifactError, atomic_path, file_sha256, read_json, write_json, write_manifest
+from orchestrator.artifacts import ArtifactError, atomic_path, read_json, write_json, write_manifest
 from orchestrator.compute import Compute
 from orchestrator.config import RootConfig, captured_layers
 from orchestrator.data import Rendered, conversations, data_identity
 from orchestrator.engines import CaptureJob
 from orchestrator.regenerate import Endpoint, keep_regenerated, read_regenerated, regenerate, sequences
+from orchestrator.states.shards import CONVENTIONS, VERIFIED, read_record, shard_done, token_counts, write_shard
 from orchestrator.targets import ensure_target, identity, load_tokenizer, template_source
 
-# The train stage's record that the shards' checksums were verified (see `stages.train.verify_shards`).
-VERIFIED = ".verified.json"
 # Regenerated responses shorter than this on average (tokens) get a warning: a target that stops at once.
 MIN_RESPONSE_TOKENS = 4
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CONVENTIONS = {
-    "shift": "none: position t holds the states computed at token t; training pairs states at t with token t+1 "
-    "and the teacher at t+1",
-    "loss_mask": "1 on assistant tokens (the chat template's generation block, incl. its end token)",
-}
 
 
 def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
@@ -76,11 +60,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
                 stale.unlink(missing_ok=True)
         todo = list(mine)
     else:
-        todo = [
-            (split, i)
-            for split, i in mine
-            if not (_shard(out, split, i).with_suffix(".json").exists() and _shard(out, split, i).exists())
-        ]
+        todo = [(split, i) for split, i in mine if not shard_done(out, split, i)]
     regenerate_s = 0.0
     if cfg.data.regenerate.enabled and cfg.data.regenerate.engine == "server" and todo:
         # The serving engine answers first, on the job's GPUs, and is stopped before the target loads onto them.
@@ -106,27 +86,11 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     tokens_done = 0
     desc = f"extract (rank {compute.rank}/{compute.world_size})" if compute.distributed else "extract"
     for split, index in tqdm(todo, desc=desc, unit="shard"):
-        shard = _shard(out, split, index)
         begin = time.time()
         rendered = _sequences(capture.model, capture.tokenizer, shards[split][index], split, index, out, cfg)
         regenerate_s += time.time() - begin if cfg.data.regenerate.enabled else 0.0
         check_loss_fraction(rendered, cfg, f"{split} shard {index}", target_path)
-        tensors = capture.shard(split, index, rendered)
-        needs = sum(t.numel() * t.element_size() for t in tensors.values())  # the shard's data, without its header
-        with atomic_path(shard, needs_bytes=needs) as tmp:
-            save_file(tensors, str(tmp))
-        write_json(
-            shard.with_suffix(".json"),
-            {
-                "file": f"{split}/{shard.name}",
-                "bytes": shard.stat().st_size,
-                "sha256": file_sha256(shard),
-                "num_tokens": int(tensors["input_ids"].numel()),
-                "num_sequences": int(tensors["seq_lens"].numel()),
-                "num_loss_tokens": int(tensors["loss_mask"].sum()),
-            },
-        )
-        tokens_done += int(tensors["input_ids"].numel())
+        tokens_done += write_shard(out, split, index, capture.shard(split, index, rendered))["num_tokens"]
     seconds = time.time() - started
     # Every rank's shards are complete before rank 0 reads them: the slowest rank's time is the stage's.
     done = _join_ranks(
@@ -139,7 +103,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
 
     splits = {}
     for split, chunks in shards.items():
-        records = [read_json(out / split / f"shard_{i:05d}.json", "shard record") for i in range(len(chunks))]
+        records = [read_record(out, split, i) for i in range(len(chunks))]
         loss_tokens = sum(r["num_loss_tokens"] for r in records)
         sequences_ = sum(r["num_sequences"] for r in records)
         splits[split] = {
@@ -150,7 +114,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             "loss_tokens_per_sequence": loss_tokens / max(sequences_, 1),
         }
     with atomic_path(out / "token_freq.safetensors") as tmp:
-        save_file({"counts": _token_counts(out, splits["train"]["shards"], target.vocab_size)}, str(tmp))
+        save_file({"counts": token_counts(out, splits["train"]["shards"], target.vocab_size)}, str(tmp))
 
     per_seq = splits["train"]["loss_tokens_per_sequence"]
     if cfg.data.regenerate.enabled and per_seq < MIN_RESPONSE_TOKENS:
@@ -296,20 +260,6 @@ def _join_ranks(
         time.sleep(poll_s)
 
 
-def _shard(out: Path, split: str, index: int) -> Path:
-    return out / split / f"shard_{index:05d}.safetensors"
-
-
-def _token_counts(out: Path, records: list[dict[str, Any]], vocab_size: int) -> torch.Tensor:
-    """Occurrences of each token among the loss-masked train tokens, read back from the shards (every rank's)."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for record in records:
-        with safe_open(str(out / record["file"]), framework="pt") as f:
-            ids = f.get_tensor("input_ids").long()[f.get_tensor("loss_mask").bool()]
-        counts.index_add_(0, ids, torch.ones_like(ids))
-    return counts
-
-
 def check_loss_fraction(rendered: list[Rendered], cfg: RootConfig, where: str, target_path: Path) -> None:
     """A shard whose loss tokens fall below data.min_loss_fraction is refused before its states are extracted:
     a draft trained on it would learn from (next to) nothing."""
@@ -353,36 +303,3 @@ def _sequences(
     )
     keep_regenerated(path, rendered)
     return rendered
-
-
-def load_manifest_checked(folder: Path, cfg: RootConfig) -> dict[str, Any]:
-    """The extraction manifest, refused when it disagrees with this run's config."""
-    from orchestrator.artifacts import ArtifactError, read_manifest, require_equal
-
-    manifest = read_manifest(folder, "extract")
-    path = Path(folder) / "manifest.json"
-    missing = [k for k in cfg.train.layers if k not in manifest["aux_layers"]]
-    if missing:
-        raise ArtifactError(
-            f"{path}: aux_layers is {manifest['aux_layers']} but this run's config says {list(cfg.train.layers)} "
-            f"({missing} not extracted). Re-extract with this aux_layers (the cache key differs, so a normal run does) "
-            "or train with the extracted layers."
-        )
-    require_equal(
-        path,
-        "teacher.kind",
-        manifest["teacher"]["kind"],
-        cfg.extract.teacher,
-        "The teacher state kind (pre/post final norm) must match how training computes teacher logits.",
-    )
-    require_equal(
-        path, "target.name", manifest["target"]["name"], cfg.target.name, "Extract from the configured target."
-    )
-    require_equal(
-        path,
-        "target.hidden_size",
-        manifest["hidden_size"],
-        cfg.target.hidden_size,
-        "Extract from the configured target.",
-    )
-    return manifest

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,74 +17,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from orchestrator import engines
-from orchestrator import layers as layer_contract
 from orchestrator.artifacts import read_json, stable_hash, write_json, write_manifest
 from orchestrator.compute import Compute, resolve_precision
 from orchestrator.config import RootConfig
 from orchestrator.data import conversations, prompt_ids
 from orchestrator.draft import export as draft_export
+from orchestrator.draft.served import served_draft_dir
 from orchestrator.serving import client
 from orchestrator.serving import sglang as sglang_engine
 from orchestrator.serving.launch import server_command
 from orchestrator.targets import load_tokenizer, target_config_json
-
-
-def served_draft_dir(cfg: RootConfig, plan) -> Path:
-    """The draft directory serving gets: the trained one when its config is written in the serving engine's id
-    convention, under every key that engine's runners read (`draft_export.write_layer_ids`), else a copy in the
-    run folder (`draft_<engine>`, the weights hard-linked) whose config ids and
-    provenance say, in `serve.engine`'s convention, the layers the export captures in its own engine's (its
-    provenance's `serving`). One trained draft so serves on SGLang and on vLLM, each given the ids of its own rule,
-    and an export whose ids were wrong stays wrong, for the guard and eval to see. When `serve.layers` differs from
-    the trained layers (a deliberate mismatch such as the seed replay) the copy says `serve.layers`, which the guard
-    then refuses. Eval and serve both use it, so the standalone eval sees what serving sees."""
-    s, t = cfg.serve, cfg.target
-    trained = plan.dir("train") / "draft"
-    conf = read_json(trained / "config.json", "draft config")
-    prov = read_json(trained / draft_export.PROVENANCE, "draft provenance")
-    exported = prov.get("serving") or {}
-    convention = layer_contract.id_convention(exported.get("engine") or s.engine)
-    deliberate = list(s.layers) != list(cfg.train.layers)
-    serving_convention = layer_contract.id_convention(s.engine)
-    written = draft_export.nested_ids(conf)
-    complete = conf == draft_export.write_layer_ids(json.loads(json.dumps(conf)), written or [], serving_convention)
-    if convention == serving_convention and not deliberate and complete:
-        return trained
-    if deliberate:
-        layers = list(s.layers)
-    else:  # what the export captures where it was meant to be served
-        version = exported.get(f"{convention}_version")  # draft_export.serving_record
-        layers = layer_contract.from_engine_ids(
-            convention, written, t.num_hidden_layers, t.family, version or s.engine_version
-        )
-    ids = _ids_as_written(cfg, layers)
-    copy = Path(plan.run_dir) / f"draft_{s.engine}"
-    if copy.exists():
-        shutil.rmtree(copy)
-    shutil.copytree(trained, copy, copy_function=_link_or_copy)
-    for name in ("config.json", draft_export.PROVENANCE):  # rewritten, never through a link to the trained draft
-        (copy / name).unlink()
-    write_json(copy / "config.json", draft_export.write_layer_ids(conf, ids, serving_convention))
-    prov["serving"] = draft_export.serving_record(s, t.family, ids)
-    write_json(copy / draft_export.PROVENANCE, prov)
-    return copy
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def _ids_as_written(cfg: RootConfig, layers: list[int]) -> list[int]:
-    t = cfg.target
-    try:
-        return layer_contract.to_engine_ids(
-            cfg.serve.engine, layers, t.num_hidden_layers, t.family, cfg.serve.engine_version
-        )
-    except layer_contract.LayerContractError:
-        return layers  # written as-is, as a pipeline without the contract would
 
 
 def run_server(

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,131 +21,17 @@ from tqdm import tqdm
 
 from orchestrator import layers as layer_contract
 from orchestrator import pruning
-from orchestrator.artifacts import ArtifactError, atomic_path, file_sha256, read_json, write_json, write_manifest
+from orchestrator.artifacts import ArtifactError, atomic_path, write_json, write_manifest
 from orchestrator.compute import Compute
 from orchestrator.config import RootConfig
 from orchestrator.draft import export as draft_export
 from orchestrator.draft import rope as draft_rope
 from orchestrator.draft.model import Eagle3Draft, default_shape
-from orchestrator.stages.extract import load_manifest_checked
+from orchestrator.states.assemble import rms_norm
+from orchestrator.states.manifest import load_manifest_checked
+from orchestrator.states.shards import SequenceStates, load_split, verify_shards
+from orchestrator.states.source import StateSource, step_indices
 from orchestrator.targets import load_head_tensors, target_config_json, tokenizer_hash
-
-
-@dataclass
-class Sequence:
-    input_ids: torch.Tensor  # [L] int64
-    loss_mask: torch.Tensor  # [L] bool
-    aux: torch.Tensor  # [L, K*Ht]
-    teacher: torch.Tensor  # [L, Ht]
-
-
-REEXTRACT = "Delete the extraction ({folder}), or run with extract.force=true, to extract it again"
-
-
-def verify_shards(folder: Path, manifest: dict[str, Any], compute: Compute) -> None:
-    """Every shard's sha256 against the extraction manifest, read once per extraction, not by every rank of every
-    training: rank 0 verifies and writes a stamp (`.verified.json`: each shard's size and modification time then);
-    while the shards keep them, later trainings trust the stamp. The other ranks wait for rank 0's verdict (its
-    error aborts the group, so they fail at once) and then check sizes only (`load_split(verify=False)`)."""
-    from orchestrator.stages.extract import VERIFIED
-
-    folder = Path(folder)
-    if compute.is_main:
-        records = [r for split in ("train", "val") for r in manifest["splits"][split]["shards"]]
-        seen = {}
-        for r in records:
-            st = (folder / r["file"]).stat() if (folder / r["file"]).exists() else None
-            seen[r["file"]] = [st.st_size, st.st_mtime_ns] if st else None
-        stamp = {"manifest_sha256": file_sha256(folder / "manifest.json"), "shards": seen}
-        try:
-            trusted = read_json(folder / VERIFIED, "verification stamp") == stamp
-        except ArtifactError:
-            trusted = False
-        if not trusted:
-            for split in ("train", "val"):
-                load_split(folder, manifest, split, verify=True)  # raises naming the first bad shard
-            write_json(folder / VERIFIED, stamp)
-    compute.barrier()
-
-
-def load_split(
-    folder: Path, manifest: dict[str, Any], split: str, layers: list[int] | None = None, verify: bool = True
-) -> ShardedSplit:
-    """Sequences of one split, each shard checked against the manifest's size and checksum; with `layers`,
-    only those aux states (a subset of what was extracted), in that order. Read lazily: see `ShardedSplit`."""
-    hidden = manifest["hidden_size"]
-    columns = None
-    if layers is not None and list(layers) != manifest["aux_layers"]:
-        columns = torch.cat([torch.arange(hidden) + manifest["aux_layers"].index(k) * hidden for k in layers])
-    paths, seq_lens = [], []
-    for record in manifest["splits"][split]["shards"]:
-        path = Path(folder) / record["file"]
-        if not path.exists() or path.stat().st_size != record["bytes"]:
-            size = f"{path.stat().st_size} bytes" if path.exists() else "missing"
-            raise ArtifactError(
-                f"{path}: {size}, but the extraction manifest says {record['bytes']} bytes: the shard is truncated "
-                f"or was replaced. {REEXTRACT.format(folder=folder)}"
-            )
-        if verify and file_sha256(path) != record["sha256"]:
-            raise ArtifactError(
-                f"{path}: its sha256 differs from the extraction manifest's: the shard is corrupt. "
-                + REEXTRACT.format(folder=folder)
-            )
-        with safe_open(str(path), framework="pt") as f:
-            seq_lens.append(f.get_tensor("seq_lens").long())
-        paths.append(path)
-    return ShardedSplit(paths, seq_lens, columns)
-
-
-class ShardedSplit:
-    """A split's sequences, each read from its shard when asked for (safetensors slices): RAM holds the sequences'
-    offsets and at most `open_shards` open shard files, whatever the data set's size. Indexing by an int gives a
-    `Sequence`, by a slice a list of them."""
-
-    def __init__(
-        self, paths: list[Path], seq_lens: list[torch.Tensor], columns: torch.Tensor | None, open_shards: int = 4
-    ):
-        self.paths, self.columns, self.open_shards = paths, columns, open_shards
-        none = torch.zeros(0, dtype=torch.long)
-        self.shard = torch.repeat_interleave(
-            torch.arange(len(seq_lens)), torch.tensor([len(n) for n in seq_lens], dtype=torch.long)
-        )
-        self.end = torch.cat([*(n.cumsum(0) for n in seq_lens), none])
-        self.start = self.end - torch.cat([*seq_lens, none])
-        self._handles: OrderedDict[int, Any] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self.shard)
-
-    def __getitem__(self, index: int | slice) -> Sequence | list[Sequence]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"sequence {index} of a split of {len(self)}")
-        index %= len(self)
-        f = self._handle(int(self.shard[index]))
-        a, b = int(self.start[index]), int(self.end[index])
-        aux = f.get_slice("aux_hidden_states")[a:b]
-        if self.columns is not None:
-            aux = aux[:, self.columns]
-        return Sequence(
-            f.get_slice("input_ids")[a:b].long(),
-            f.get_slice("loss_mask")[a:b].bool(),
-            aux,
-            f.get_slice("teacher_hidden_state")[a:b],
-        )
-
-    def __iter__(self) -> Iterator[Sequence]:
-        return (self[i] for i in range(len(self)))
-
-    def _handle(self, shard: int):
-        if shard in self._handles:
-            self._handles.move_to_end(shard)
-        else:
-            self._handles[shard] = safe_open(str(self.paths[shard]), framework="pt")
-            while len(self._handles) > self.open_shards:
-                self._handles.popitem(last=False)
-        return self._handles[shard]
 
 
 @dataclass
@@ -163,7 +48,7 @@ class Batch:
         )
 
 
-def collate(seqs: list[Sequence]) -> Batch:
+def collate(seqs: list[SequenceStates]) -> Batch:
     width = max(len(s.input_ids) for s in seqs)
     b = len(seqs)
     ids = torch.zeros(b, width, dtype=torch.long)
@@ -191,7 +76,7 @@ class TeacherHead(torch.nn.Module):
         """The teacher's logits on the draft vocabulary (target ids `kept`) [..., Vd], and its argmax over the full
         vocabulary [...] (a token outside the draft vocabulary is one the draft can never match)."""
         if self.teacher == "pre_norm":
-            state = state * torch.rsqrt(state.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
+            state = rms_norm(state, self.norm, self.eps)
         kept_logits = state @ self.lm_head.index_select(0, kept).T
         vocab = self.lm_head.shape[0]
         rows = max(1, self.block_elements // max(1, state.shape[:-1].numel()))
@@ -318,16 +203,9 @@ def lr_at(step: int, total: int, cfg) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def batches_for_step(n: int, batch_size: int, seed: int, step: int) -> list[int]:
-    """Indices of the sequences in global step `step`: a seeded permutation per epoch, so a resumed run
-    sees exactly the batches an uninterrupted one would."""
-    per_epoch = math.ceil(n / batch_size)
-    epoch, index = divmod(step, per_epoch)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
-    return order[index * batch_size : (index + 1) * batch_size]
-
-
-def evaluate(draft, head, seqs, steps, kept, weights, batch_size, draft_steps, compute: Compute) -> dict[str, float]:
+def evaluate(
+    draft, head, seqs: StateSource, steps, kept, weights, batch_size, draft_steps, compute: Compute
+) -> dict[str, float]:
     """Validation metrics of the draft run as served (its own tokens feed later steps), so that the standalone
     eval's per-position accuracies are the same quantities. Each rank takes every N-th sequence; the counts are
     summed over ranks, so every rank gets the metrics of the whole split, the same whatever N is. The loss is each
@@ -337,7 +215,7 @@ def evaluate(draft, head, seqs, steps, kept, weights, batch_size, draft_steps, c
     totals = torch.zeros(len(COUNT_ROWS), steps, dtype=torch.float64)
     with torch.no_grad():
         for i in range(0, len(mine), batch_size):
-            batch = collate([seqs[j] for j in mine[i : i + batch_size]]).to(compute.device)
+            batch = collate(seqs.take(mine[i : i + batch_size])).to(compute.device)
             _, counts = ttt_forward(draft, head, batch, steps, kept, weights, own_tokens=True)
             totals += counts.cpu()
     totals = compute.all_reduce_sum(totals)
@@ -514,8 +392,8 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     )
 
     def load_batch(at: int) -> tuple[Batch, bool]:
-        share, counts = rank_share(batches_for_step(len(train_seqs), tc.batch_size, tc.seed, at), compute)
-        batch = collate([train_seqs[i] for i in share])
+        share, counts = rank_share(step_indices(len(train_seqs), tc.batch_size, tc.seed, at), compute)
+        batch = collate(train_seqs.take(share))
         if not counts:
             batch.loss_mask.zero_()
         return batch, counts
