@@ -90,7 +90,7 @@ class RegenerateConfig:
     enabled: bool = MISSING
     # hf: HF `generate` in the extract job; server: a serving endpoint (orchestrator/regenerate.py); one_pass:
     # with extract.engine=vllm, vLLM generates the response and captures the states of prompt plus response in
-    # the same request (orchestrator/engines/vllm.py, `capture_all`).
+    # the same request (orchestrator/engines/vllm/capture.py, `capture_all`).
     engine: str = MISSING
     max_new_tokens: int = MISSING
     # 0: greedy, what the serve stage benchmarks; > 0 samples (seeded).
@@ -176,7 +176,7 @@ class ExtractConfig:
     collective_timeout_min: float = MISSING
     resources: Resources = MISSING
     # What computes the states: hf (transformers, in this project's environment) or vllm (vLLM's own extractor,
-    # `extract_hidden_states`, in its environment `python`: orchestrator/serving/vllm_side/capture.py).
+    # `extract_hidden_states`, in its environment `python`: orchestrator/engines/vllm/side/capture.py).
     engine: str = "hf"
     python: Optional[str] = None
     # extract.engine=vllm: more engine flags, as `vllm serve` takes them (checked by vLLM's own parser)

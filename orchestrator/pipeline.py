@@ -429,6 +429,7 @@ def run_pipeline(
                     entry["job_name"],
                     getattr(cfg, stage).resources,
                     entry["resources"]["tasks_per_node"],
+                    run_stage,
                     stage,
                     cfg,
                     plan,

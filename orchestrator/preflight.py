@@ -363,7 +363,7 @@ def draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path | None, as
     plan's own trained draft, which the serve stage rewrites for its engine (draft.served.served_draft_dir), so
     its ids are checked as they will be written, serve.layers in serve.engine's convention."""
     from orchestrator.draft import export as draft_export
-    from orchestrator.serving import sglang as sglang_engine
+    from orchestrator.draft import guard
     from orchestrator.targets import target_config_json, tokenizer_hash
 
     draft_dir = Path(draft_dir)
@@ -402,12 +402,12 @@ def draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path | None, as
     s = cfg.serve
     try:
         if not as_served:
-            sglang_engine.check_exported_engine(cfg, prov, ids, where=f"draft {draft_dir}")
-        sglang_engine.check_layer_ids(cfg, ids, prov["aux_layers"], where=f"draft {draft_dir}")
+            guard.check_exported_engine(cfg, prov, ids, where=f"draft {draft_dir}")
+        guard.check_layer_ids(cfg, ids, prov["aux_layers"], where=f"draft {draft_dir}")
         out.append(
             Finding("layer ids", True, f"{draft_dir}: ids {ids} capture the trained aux_layers {prov['aux_layers']}")
         )
-    except sglang_engine.ServingRefused as exc:
+    except guard.ServingRefused as exc:
         message, _, fix = str(exc).partition(" Fix: ")
         out.append(Finding("layer ids", False, message, fix))
     if target_dir is not None and (Path(target_dir) / "tokenizer.json").exists():

@@ -24,7 +24,7 @@ from pathlib import Path
 from orchestrator import engines
 from orchestrator.config import RootConfig
 from orchestrator.data import Rendered, prompt_ids, render
-from orchestrator.serving import client
+from orchestrator.engines import client
 from orchestrator.targets import template_source
 
 
@@ -190,7 +190,7 @@ def server_responses(
 
 class Endpoint:
     """Where engine=server sends its requests: `data.regenerate.url`, or, when that is null, the target served by
-    the serve stage's launcher (`serving.launch.server_command`: SGLang's command or the reference engine's, as
+    the serve stage's launcher (`engines.server_command`: SGLang's command or the reference engine's, as
     serve.* configures it, without a draft) on a free port of 127.0.0.1, started on first use and stopped on close.
 
     Open it around several `regenerate` calls to start one server for all of them."""
@@ -232,7 +232,7 @@ class Endpoint:
 
     def command(self, port: int) -> list[str]:
         """The serve stage's launch command for the target alone (no draft: no speculative arguments)."""
-        from orchestrator.serving.launch import server_command
+        from orchestrator.engines import server_command
         from orchestrator.targets import ensure_target
 
         return server_command(self.cfg, ensure_target(self.cfg, progress=False), None, port)

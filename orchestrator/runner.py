@@ -6,7 +6,7 @@ import codecs
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 import submitit
 
@@ -92,15 +92,14 @@ class StageJob(submitit.helpers.Checkpointable):
     world size, local rank, the first node's address and a port derived from the job id) as torch.distributed's
     standard variables, which `compute.setup` reads."""
 
-    def __call__(self, stage: str, cfg, plan, run_id: str, finalize: bool):
-        from orchestrator.pipeline import run_stage
-
+    def __call__(self, run: Callable[..., Any], stage: str, cfg, plan, run_id: str, finalize: bool):
+        """`run(stage, cfg, plan, run_id, finalize=finalize)` in this task: the pipeline's `run_stage`."""
         env = submitit.JobEnvironment()
         if env.num_tasks > 1:
             # CUDA_VISIBLE_DEVICES stays the job's: compute.setup splits the node's GPUs between its tasks.
             submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         try:
-            return run_stage(stage, cfg, plan, run_id, finalize=finalize)
+            return run(stage, cfg, plan, run_id, finalize=finalize)
         except BaseException as exc:
             # When one rank fails, its peers fail after it (their collectives are aborted): the time of each
             # rank's failure tells `wait` which one was the cause.

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from orchestrator import conf_dir
 from orchestrator.config import RootConfig, load
-from orchestrator.serving import sglang
+from orchestrator.engines.sglang import cli as sglang
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 

@@ -61,8 +61,8 @@ SEPARATE = {
     "specforge": (
         "scripts/bench_train_gpu.py's comparison, a --no-deps wheel on the GPU machine (scripts/gpu_wheels.py)"
     ),
-    "vllm": "orchestrator/serving/vllm_side/load_check.py, run by serve.python (scripts/make_vllm_env.sh)",
-    "llvmlite": "orchestrator/serving/vllm_side/capture.py, in vLLM's environment, where numba brings it",
+    "vllm": "orchestrator/engines/vllm/side/load_check.py, run by serve.python (scripts/make_vllm_env.sh)",
+    "llvmlite": "orchestrator/engines/vllm/side/capture.py, in vLLM's environment, where numba brings it",
     "speculators": "scripts/speculators_export.py, in its own environment (scripts/make_speculators_env.sh)",
     "sglang": (
         "tests/sglang_rope_probe.py, run by SGLANG_PYTHON (scripts/make_sglang_env.sh), never by the project's venv"

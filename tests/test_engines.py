@@ -1,5 +1,5 @@
 """The engine registry (orchestrator/engines): every engine behind one interface, found by name, and a new engine
-added as one module and one YAML file, with no stage edited."""
+added as one package and one YAML file, with no stage edited."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from orchestrator import conf_dir, engines
 from orchestrator import layers as layer_contract
 from orchestrator.config import ConfigError
+from orchestrator.engines import server_command
 from orchestrator.pipeline import run_pipeline, stage_layer_ids
-from orchestrator.serving.launch import server_command
 
 
 def test_the_registry_finds_each_engine_by_its_module_and_role():
@@ -71,12 +71,12 @@ ECHO = """\
 
 @pytest.fixture
 def echo_engine(tmp_path, monkeypatch):
-    """An engine added as the guide says: one module (here in a folder on the engines package's path) and one YAML
+    """An engine added as the guide says: one package (here in a folder on the engines package's path) and one YAML
     file (conf/serve/echo.yaml, here in a folder on Hydra's search path)."""
-    package = tmp_path / "engines"
-    package.mkdir()
-    (package / "echo.py").write_text(textwrap.dedent(ECHO))
-    monkeypatch.setattr(engines, "__path__", [*engines.__path__, str(package)])
+    package = tmp_path / "engines" / "echo"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent(ECHO))
+    monkeypatch.setattr(engines, "__path__", [*engines.__path__, str(package.parent)])
     engines._modules.cache_clear()
     engines.get.cache_clear()
     search = tmp_path / "conf"
@@ -89,12 +89,12 @@ def echo_engine(tmp_path, monkeypatch):
     sys.modules.pop("orchestrator.engines.echo", None)
 
 
-def test_an_engine_added_as_one_module_and_one_yaml_is_planned_and_launched(echo_engine, tiny_config, tmp_path):
+def test_an_engine_added_as_one_package_and_one_yaml_is_planned_and_launched(echo_engine, tiny_config, tmp_path):
     assert "echo" in engines.names(engines.SERVE)
     cfg = tiny_config(*echo_engine, "dry_run=true")
     assert cfg.serve.engine == "echo" and cfg.serve.id_rules == "sglang 0.5.23"
     command = server_command(cfg, tmp_path / "target", None, 1234)
-    assert command[-1] == "--echo" and "orchestrator.serving.reference" in command
+    assert command[-1] == "--echo" and "orchestrator.engines.reference.server" in command
     serve = stage_layer_ids(cfg, "serve")
     assert serve["convention"].startswith("echo (sglang 0.5.23 rules")
     assert serve["captures_canonical"] == list(cfg.aux_layers)
@@ -102,4 +102,53 @@ def test_an_engine_added_as_one_module_and_one_yaml_is_planned_and_launched(echo
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     planned = {s["stage"]: s["layer_ids"] for s in plan["stages"]}
     assert planned["serve"] == serve and planned["extract"]["convention"] == "hf"
+    shutil.rmtree(tmp_path / "run")
+
+
+MIRROR = """\
+    from orchestrator.engines.hf import HF
+
+
+    class Mirror(HF):
+        \"\"\"HF's hooks under another name, naming its own convention in the plan.\"\"\"
+
+        name = "mirror"
+
+        def capture_ids(self, cfg, layers):
+            return super().capture_ids(cfg, layers) | {"convention": "mirror (hf hooks)"}
+
+
+    ENGINE = Mirror()
+"""
+
+
+@pytest.fixture
+def mirror_engine(tmp_path, monkeypatch):
+    """A capture engine added the same way: one package, and one YAML file (conf/extract/mirror.yaml: the default
+    extraction with its engine)."""
+    package = tmp_path / "engines" / "mirror"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent(MIRROR))
+    monkeypatch.setattr(engines, "__path__", [*engines.__path__, str(package.parent)])
+    engines._modules.cache_clear()
+    engines.get.cache_clear()
+    search = tmp_path / "conf"
+    (search / "extract").mkdir(parents=True)
+    (search / "extract" / "mirror.yaml").write_text("defaults:\n  - default\n  - _self_\nengine: mirror\n")
+    yield [f"hydra.searchpath=[file://{search}]", "extract=mirror"]
+    engines._modules.cache_clear()
+    engines.get.cache_clear()
+    sys.modules.pop("orchestrator.engines.mirror", None)
+
+
+def test_a_capture_engine_added_as_one_package_and_one_yaml_plans_an_extraction(mirror_engine, tiny_config, tmp_path):
+    assert engines.names(engines.CAPTURE) == ("hf", "mirror", "vllm")
+    assert "mirror" not in engines.names(engines.SERVE)
+    cfg = tiny_config(*mirror_engine, "dry_run=true")
+    assert cfg.extract.engine == "mirror"
+    run_pipeline(cfg, tmp_path / "run")  # a dry run: the plan, with the extraction's ids in the engine's words
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    extract = {s["stage"]: s for s in plan["stages"]}["extract"]
+    assert extract["layer_ids"]["convention"] == "mirror (hf hooks)"
+    assert extract["layer_ids"]["capture_points"] == stage_layer_ids(tiny_config(), "extract")["capture_points"]
     shutil.rmtree(tmp_path / "run")

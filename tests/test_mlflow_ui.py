@@ -27,8 +27,8 @@ from mlflow.tracking import MlflowClient
 
 from orchestrator import tracking
 from orchestrator.artifacts import write_json, write_manifest
+from orchestrator.engines.client import free_port
 from orchestrator.pipeline import finish, make_plan
-from orchestrator.serving.client import free_port
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"

@@ -13,11 +13,10 @@ from test_config import compose_root
 
 from orchestrator.config import ConfigError
 from orchestrator.data import conversations, prompt_ids
+from orchestrator.engines import client, server_command
+from orchestrator.engines.sglang import cli as sglang_engine
 from orchestrator.pipeline import run_pipeline
 from orchestrator.regenerate import Endpoint, RegenerateError, regenerate
-from orchestrator.serving import client
-from orchestrator.serving import sglang as sglang_engine
-from orchestrator.serving.launch import server_command
 from orchestrator.targets import ensure_target, load_target
 
 # Short responses keep a pass to seconds; at 42 tokens some responses are cut by max_seq_len, others by max_new_tokens.
@@ -78,7 +77,7 @@ def test_launched_server_returns_the_hf_engines_greedy_ids(tiny, tmp_path):
     assert _pairs(served) == _pairs(hf), "the server's greedy ids differ from HF generate's"
     assert _pairs(again) == _pairs(hf[:2])
     assert process.poll() is not None, "the launched server outlived the endpoint"
-    assert command[1:3] == ["-m", "orchestrator.serving.reference"] and "--draft" not in command
+    assert command[1:3] == ["-m", "orchestrator.engines.reference.server"] and "--draft" not in command
     assert "POST /generate" in (tmp_path / "regenerate_server.log").read_text()
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from orchestrator.engines import client
 from orchestrator.pipeline import make_plan, run_pipeline
-from orchestrator.serving import client
 from orchestrator.stages.serve import server_command
 
 
@@ -112,6 +112,6 @@ def _reference_server_pids(under: Path) -> set[int]:
         except OSError:
             continue
         mine = any(str(under).encode() in arg for arg in cmdline)
-        if b"orchestrator.serving.reference" in cmdline and mine and state != "Z":
+        if b"orchestrator.engines.reference.server" in cmdline and mine and state != "Z":
             found.add(int(entry.name))
     return found

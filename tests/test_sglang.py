@@ -1,4 +1,4 @@
-"""SGLang's command line and draft directory (orchestrator/serving/sglang.py), against golden files.
+"""SGLang's command line and draft directory (orchestrator/engines/sglang/cli.py), against golden files.
 
 Goldens live in tests/golden/; `EAGLE_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_sglang.py` rewrites them
 (review the diff).
@@ -23,9 +23,10 @@ import orchestrator
 from orchestrator import layers as layer_contract
 from orchestrator.config import RootConfig, load
 from orchestrator.draft import export as draft_export
+from orchestrator.draft import guard
+from orchestrator.draft.guard import ServingRefused
 from orchestrator.draft.model import DraftShape, Eagle3Draft, default_shape
-from orchestrator.serving import sglang
-from orchestrator.serving.sglang import ServingRefused
+from orchestrator.engines.sglang import cli as sglang
 
 SERVING_PYTHON = "/opt/sglang-env/bin/python"
 PORT = 30000
@@ -234,11 +235,11 @@ def test_draft_with_contract_ids_is_accepted_and_other_ids_refused(tmp_path):
     cfg = make_config(["+experiment=tiny_eagle3", "serve=sglang", "serve.fallback=null"])
     ids = layer_contract.to_engine_ids("sglang", cfg.aux_layers, cfg.target.num_hidden_layers, "llama", "0.5.23")
     folder = write_draft(tmp_path / "draft", ids, cfg.aux_layers)
-    assert sglang.check_draft_for_serving(cfg, folder, TINY_TARGET) == ids
+    assert guard.check_draft_for_serving(cfg, folder, TINY_TARGET) == ids
 
     rewrite_ids(folder, [2, 5, 7])
     with pytest.raises(ServingRefused) as err:
-        sglang.check_draft_for_serving(cfg, folder, TINY_TARGET)
+        guard.check_draft_for_serving(cfg, folder, TINY_TARGET)
     message = str(err.value)
     assert "eagle_aux_hidden_state_layer_ids=[2, 5, 7]" in message
     assert "aux_layers=[1, 4, 6]" in message
@@ -249,12 +250,12 @@ def test_draft_with_contract_ids_is_accepted_and_other_ids_refused(tmp_path):
 def test_kimi_seed_ids_written_as_is_are_refused(tmp_path):
     cfg = make_config(["+experiment=kimi_eagle3"])
     folder = write_draft(tmp_path / "draft", [0, 3, 31], [-1, 2, 30])
-    assert sglang.check_draft_for_serving(cfg, folder, TINY_TARGET) == [0, 3, 31]
+    assert guard.check_draft_for_serving(cfg, folder, TINY_TARGET) == [0, 3, 31]
 
     # The seed wrote the canonical list as-is: sglang 0.5.23 drops -1 and reads 2, 30 as "entering".
     rewrite_ids(folder, [-1, 2, 30])
     with pytest.raises(ServingRefused) as err:
-        sglang.check_draft_for_serving(cfg, folder, TINY_TARGET)
+        guard.check_draft_for_serving(cfg, folder, TINY_TARGET)
     message = str(err.value)
     assert "eagle_aux_hidden_state_layer_ids=[-1, 2, 30]" in message
     assert "trained on aux_layers=[-1, 2, 30]" in message
@@ -264,25 +265,25 @@ def test_kimi_seed_ids_written_as_is_are_refused(tmp_path):
     # SGLang's own default-style ids: three states, but the wrong ones.
     rewrite_ids(folder, [2, 30, 58])
     with pytest.raises(ServingRefused, match=r"captures \[1, 29, 57\].*set it to \[0, 3, 31\]"):
-        sglang.check_draft_for_serving(cfg, folder, TINY_TARGET)
+        guard.check_draft_for_serving(cfg, folder, TINY_TARGET)
 
 
 def test_kimi_ids_depend_on_the_sglang_version():
     # Before PR #25454 (sglang < 0.5.13) the DeepSeek family always shifted by one, so the seed's list was right.
     old = make_config(["+experiment=kimi_eagle3", "serve.sglang_version=0.5.12"])
-    sglang.check_layer_ids(old, [-1, 2, 30], [-1, 2, 30])
+    guard.check_layer_ids(old, [-1, 2, 30], [-1, 2, 30])
     with pytest.raises(ServingRefused, match=r"sglang 0\.5\.12 .*set it to \[-1, 2, 30\]"):
-        sglang.check_layer_ids(old, [0, 3, 31], [-1, 2, 30])
+        guard.check_layer_ids(old, [0, 3, 31], [-1, 2, 30])
 
 
 def test_malformed_draft_or_missing_provenance_is_refused(tmp_path):
     cfg = make_config(["+experiment=tiny_eagle3", "serve=sglang", "serve.fallback=null"])
     folder = write_draft(tmp_path / "draft", [1, 4, 6], [1, 4, 6])
     with pytest.raises(ServingRefused, match="target_hidden_size=32 but the target's hidden_size is 256"):
-        sglang.check_draft_for_serving(cfg, folder, TINY_TARGET | {"hidden_size": 256})
+        guard.check_draft_for_serving(cfg, folder, TINY_TARGET | {"hidden_size": 256})
     (folder / draft_export.PROVENANCE).unlink()
     with pytest.raises(ServingRefused, match="no trained aux_layers"):
-        sglang.check_draft_for_serving(cfg, folder, TINY_TARGET)
+        guard.check_draft_for_serving(cfg, folder, TINY_TARGET)
 
 
 # ------------------------------------------------------------------------------ sglang's own parser

@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 from orchestrator import preflight
 from orchestrator.artifacts import read_json
 from orchestrator.draft import export as draft_export
+from orchestrator.draft import guard
 from orchestrator.draft.served import served_draft_dir
+from orchestrator.engines.vllm import cli as vllm_engine
 from orchestrator.pipeline import make_plan, run_pipeline
-from orchestrator.serving import sglang as sglang_engine
-from orchestrator.serving import vllm as vllm_engine
 from orchestrator.targets import ensure_target, load_tokenizer, target_config_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,10 +45,8 @@ def test_an_sglang_export_is_refused_by_vllm_before_any_server_starts(fast_cache
     cfg = tiny_config("cluster=local", "serve=vllm")
     trained = make_plan(cfg, tmp_path / "run").dir("train") / "draft"
     assert read_json(trained / "config.json", "c")["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 4, 6]
-    with pytest.raises(sglang_engine.ServingRefused) as refused:
-        sglang_engine.check_draft_for_serving(
-            cfg, trained, target_config_json(Path(make_plan(cfg, tmp_path).target_dir))
-        )
+    with pytest.raises(guard.ServingRefused) as refused:
+        guard.check_draft_for_serving(cfg, trained, target_config_json(Path(make_plan(cfg, tmp_path).target_dir)))
     message = str(refused.value)
     assert "exported for reference" in message and "serve.engine=vllm (vllm 0.32.0)" in message, message
     assert "vllm would capture [0, 3, 5]" in message, message
@@ -68,9 +66,11 @@ def test_an_sglang_export_is_refused_by_vllm_before_any_server_starts(fast_cache
     serving = draft_export.provenance(copy)["serving"]
     assert serving["engine"] == "vllm" and serving["vllm_version"] == "0.32.0", serving
     assert (copy / "model.safetensors").stat().st_ino == (trained / "model.safetensors").stat().st_ino
-    assert sglang_engine.check_draft_for_serving(
-        cfg, copy, target_config_json(Path(make_plan(cfg, tmp_path).target_dir))
-    ) == [2, 5, 7]
+    assert guard.check_draft_for_serving(cfg, copy, target_config_json(Path(make_plan(cfg, tmp_path).target_dir))) == [
+        2,
+        5,
+        7,
+    ]
     # the trained draft is untouched: its config is not a link the copy wrote through
     assert read_json(trained / "config.json", "c")["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 4, 6]
 

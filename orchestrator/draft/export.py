@@ -350,7 +350,7 @@ def load_draft(folder: Path) -> tuple[Eagle3Draft, dict[str, Any]]:
 
 def serving_record(serve, family: str, ids: list[int]) -> dict[str, Any]:
     """The provenance's `serving` entry: the engine (and the version of its id rule) the config's ids are written
-    for. The guard refuses the folder on an engine of another convention (orchestrator.serving.sglang)."""
+    for. The guard refuses the folder on an engine of another convention (orchestrator.engines.sglang.cli)."""
     return {
         "engine": serve.engine,
         "family": family,

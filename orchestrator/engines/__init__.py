@@ -1,10 +1,15 @@
-"""The engines: one module each in this package, one small interface (`Engine`), found by name.
+"""The engines: one package each in this one, one small interface (`Engine`), found by name.
 
-    engine      module               serves (serve.engine)    captures (extract.engine)
-    hf          engines/hf.py        -                        forward hooks on the transformers model
-    vllm        engines/vllm.py      its OpenAI server        its extract_hidden_states extractor
-    sglang      engines/sglang.py    its HTTP server          - (stock SGLang returns the last layer only)
-    reference   engines/reference.py the project's server     -
+    engine      package               serves (serve.engine)    captures (extract.engine)
+    hf          engines/hf/           -                        forward hooks on the transformers model
+    vllm        engines/vllm/         its OpenAI server        its extract_hidden_states extractor
+    sglang      engines/sglang/       its HTTP server          - (stock SGLang returns the last layer only)
+    reference   engines/reference/    the project's server     -
+
+A package's __init__ is its adapter (`ENGINE`); beside it, what it needs of its engine: vllm's command lines and
+API (cli.py), its capture (capture.py), its id rule (ids.py) and the scripts that run in its environment (side/);
+sglang's command line (cli.py); the reference engine's server (server.py). The HTTP client every server is spoken
+to with is engines/client.py; the draft guard is the drafts' (orchestrator/draft/guard.py).
 
 An engine is what the stages ask, never a name they compare:
     launch       `launch_command`, `server_env`, `check_command` (its own parser), `check_config`
@@ -15,7 +20,8 @@ An engine is what the stages ask, never a name they compare:
     statistics   `request`, `benchmark` (tok/s and the accept length as the engine counts it), `server_info`,
                  `exact` (whether greedy outputs with and without the draft must agree token for token)
 
-Adding an engine is one module here that sets `ENGINE`, and, for serving, one file conf/serve/<name>.yaml.
+Adding an engine is one package here whose __init__ sets `ENGINE`, and, for serving, one file
+conf/serve/<name>.yaml.
 """
 
 from __future__ import annotations
@@ -32,8 +38,8 @@ if TYPE_CHECKING:  # the engine modules import these; the registry itself stays 
 
     from orchestrator.compute import Compute
     from orchestrator.config import RootConfig, ServeConfig
+    from orchestrator.engines.client import ServerProcess
     from orchestrator.layers import IdRule
-    from orchestrator.serving.client import ServerProcess
 
 SERVE = "serve"
 CAPTURE = "capture"
@@ -253,7 +259,7 @@ def installed_version(python: str, distributions: tuple[str, ...], timeout: floa
 
 @cache
 def _modules() -> tuple[str, ...]:
-    return tuple(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    return tuple(m.name for m in pkgutil.iter_modules(__path__) if m.ispkg and not m.name.startswith("_"))
 
 
 @cache
@@ -270,3 +276,16 @@ def get(name: str, role: str | None = None) -> Engine:
 def names(role: str | None = None) -> tuple[str, ...]:
     """The registered engines (that play `role`), in name order."""
     return tuple(n for n in _modules() if role is None or role in get(n).roles)
+
+
+def server_command(
+    cfg: RootConfig, target: Path, draft: Path | None, port: int, compute: Compute | None = None
+) -> list[str]:
+    """The command that starts `serve.engine` on the target: the serve stage's baseline and speculative servers,
+    and regeneration's endpoint (orchestrator/regenerate.py), without a draft. An engine of the project's own (the
+    reference engine) computes on `compute`'s devices and in its dtype (the CPU in float32 without one); SGLang and
+    vLLM place themselves (serve.tp_size, serve.dtype)."""
+    from orchestrator import compute as compute_mod  # torch: the registry itself stays light
+
+    engine = get(cfg.serve.engine, SERVE)
+    return engine.launch_command(cfg, Path(target), Path(draft) if draft else None, port, compute or compute_mod.cpu())

@@ -1,7 +1,7 @@
 """Serving: the target with and without the draft behind the same HTTP API, benchmarked side by side.
 
 Baseline and speculative servers run one after the other in this stage on the same prompt set, so the speedup
-is a ratio measured in one run. The engine is SGLang (GPU; `orchestrator.serving.sglang` builds its command)
+is a ratio measured in one run. The engine is SGLang (GPU; `orchestrator.engines.sglang.cli` builds its command)
 or the project's reference engine (CPU). A benchmark never resumes half-way: each server starts clean.
 """
 
@@ -22,10 +22,9 @@ from orchestrator.compute import Compute, resolve_precision
 from orchestrator.config import RootConfig
 from orchestrator.data import conversations, prompt_ids
 from orchestrator.draft import export as draft_export
+from orchestrator.draft import guard
 from orchestrator.draft.served import served_draft_dir
-from orchestrator.serving import client
-from orchestrator.serving import sglang as sglang_engine
-from orchestrator.serving.launch import server_command
+from orchestrator.engines import client, server_command
 from orchestrator.targets import load_tokenizer, target_config_json
 
 
@@ -184,7 +183,7 @@ def _refuse_or_flag(cfg: RootConfig, draft: Path, loaded: dict[str, Any] | None,
     feed other layers than it was trained on is refused by the guard, or flagged with the guard off."""
     s = cfg.serve
     if loaded is not None and loaded["problems"]:
-        raise sglang_engine.ServingRefused(
+        raise guard.ServingRefused(
             f"{s.engine} {loaded['version']} would serve the draft {draft} ({loaded['model_class']}) "
             "without all of its weights:\n  - "
             + "\n  - ".join(loaded["problems"])
@@ -194,7 +193,7 @@ def _refuse_or_flag(cfg: RootConfig, draft: Path, loaded: dict[str, Any] | None,
         refusal = f"{s.engine} {loaded['version']} would feed the draft {draft} other layers than it was trained on:"
         refusal += "\n  - " + "\n  - ".join(loaded["layer_problems"])
         if s.guard:
-            raise sglang_engine.ServingRefused(refusal)
+            raise guard.ServingRefused(refusal)
         flags.append(f"serve: guard off, serving anyway: {refusal}")
 
 
@@ -209,8 +208,8 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     draft = served_draft_dir(cfg, plan)
     flags: list[str] = []
     try:
-        ids = sglang_engine.check_draft_for_serving(cfg, draft, target_config_json(target))
-    except sglang_engine.ServingRefused as exc:
+        ids = guard.check_draft_for_serving(cfg, draft, target_config_json(target))
+    except guard.ServingRefused as exc:
         if s.guard:
             raise
         flags.append(f"serve: guard off, serving anyway a draft the guard refuses: {exc}")

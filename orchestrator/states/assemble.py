@@ -1,7 +1,7 @@
 """An engine's raw per-layer output to `SequenceStates`, in one place for every capture engine: the check that the
 states are of the tokens sent, the target's final norm where the engine captured the last layer before it, and the
-extraction's dtype. HF's hooks (orchestrator/engines/hf.py) and vLLM's extractor (orchestrator/engines/vllm.py) differ
-only in what they hand in."""
+extraction's dtype. HF's hooks (orchestrator/engines/hf/) and vLLM's extractor (orchestrator/engines/vllm/capture.py)
+differ only in what they hand in."""
 
 from __future__ import annotations
 

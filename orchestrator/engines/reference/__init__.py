@@ -1,12 +1,14 @@
-"""The project's reference engine (orchestrator/serving/reference.py): serves the target, with or without an EAGLE-3
-draft, from the project's own environment, on the job's devices (the CPU in float32 without GPUs). It reads draft
-configs in SGLang's id convention, and shares eval's draft code, so its accept length agreeing with eval's says less
-than a real engine's (vLLM's) does."""
+"""The project's reference engine (its server: orchestrator/engines/reference/server.py): serves the target, with
+or without an EAGLE-3 draft, from the project's own environment, on the job's devices (the CPU in float32 without
+GPUs). It reads draft configs in SGLang's id convention, and shares eval's draft code, so its accept length agreeing
+with eval's says less than a real engine's (vLLM's) does."""
 
 from __future__ import annotations
 
 import sys
 
+from orchestrator.compute import resolve_precision
+from orchestrator.config import ConfigError
 from orchestrator.engines import SERVE, Engine
 from orchestrator.engines.sglang import SGLang, sglang_rule
 
@@ -33,14 +35,10 @@ class Reference(Engine):
         return f"orchestrator {__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
 
     def check_config(self, cfg):
-        from orchestrator.config import ConfigError
-
         if cfg.serve.eagle_topk != 1:
             raise ConfigError(f"serve.eagle_topk={cfg.serve.eagle_topk}: the reference engine drafts a chain (topk 1)")
 
     def check_endpoint(self, cfg):
-        from orchestrator.config import ConfigError
-
         r = cfg.data.regenerate
         if r.temperature > 0:
             raise ConfigError(
@@ -54,7 +52,7 @@ class Reference(Engine):
         serve.threads says otherwise (see pipeline.run_stage)."""
         s = cfg.serve
         cmd = [
-            sys.executable, "-m", "orchestrator.serving.reference", "--target", str(target), "--port", str(port),
+            sys.executable, "-m", "orchestrator.engines.reference.server", "--target", str(target), "--port", str(port),
             "--num-steps", str(s.num_steps), "--family", cfg.target.family, "--sglang-version", s.sglang_version,
         ]  # fmt: skip
         if draft:
@@ -69,8 +67,6 @@ class Reference(Engine):
     def exact(self, cfg):
         """In float32 (on the CPU: one request at a time, the same kernels for a verify pass and a decode step) the
         reference engine computes greedy outputs exactly, with and without the draft."""
-        from orchestrator.compute import resolve_precision
-
         s = cfg.serve
         return resolve_precision(s.precision, s.resources.gpus_per_node) == "float32"
 

@@ -154,7 +154,7 @@ def benchmark(
     request: Callable[..., dict[str, Any]] = generate,
 ) -> dict[str, Any]:
     """One pass over the prompt set, `concurrency` requests in flight; `request(server, prompt, max_new_tokens,
-    timeout)` sends one in the engine's API (SGLang's /generate by default; vLLM's: serving/vllm.py)."""
+    timeout)` sends one in the engine's API (SGLang's /generate by default; vLLM's: engines/vllm/cli.py)."""
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         responses = list(pool.map(lambda p: request(server, p, max_new_tokens, timeout), prompts))

@@ -2,10 +2,10 @@
 
 Runs inside vLLM's environment, standalone (it imports vLLM, torch and safetensors, nothing of this project):
 
-    python orchestrator/serving/vllm_side/capture.py REQUEST.json ENGINE_ARGS...
-    python orchestrator/serving/vllm_side/capture.py --parse-only ENGINE_ARGS...
+    python orchestrator/engines/vllm/side/capture.py REQUEST.json ENGINE_ARGS...
+    python orchestrator/engines/vllm/side/capture.py --parse-only ENGINE_ARGS...
 
-ENGINE_ARGS are the engine's flags as `vllm serve` takes them (`orchestrator.serving.vllm.capture_engine_args`:
+ENGINE_ARGS are the engine's flags as `vllm serve` takes them (`orchestrator.engines.vllm.cli.capture_engine_args`:
 the target, `--speculative-config {"method": "extract_hidden_states", ...}` with the layer ids, and
 `--kv-transfer-config` naming the hidden-states connector, `hidden_states_connector.CPUHiddenStatesConnector`,
 vLLM's own on GPUs). They are read by vLLM's own parser (EngineArgs' command line), so what a dry run prints and

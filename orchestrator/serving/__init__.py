@@ -1,1 +1,0 @@
-"""Serving engines: the project's reference server and the SGLang launch command."""
