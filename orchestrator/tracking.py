@@ -6,7 +6,7 @@ other machines), so everything here goes through an `MlflowClient` with an expli
 
 What a researcher compares in the UI is decided here too: the run's name (`run_label`), its note
 (`run_note`), the few params that decide a result (`CURATED_PARAMS`) and each stage's MLflow metric names
-(`stage_metrics`, `train_step_metrics`, `train_val_metrics`), which the README's MLflow section defines.
+(`stage_metrics`, `train_step_metrics`, `train_val_metrics`), which docs/experiments.md#mlflow defines.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def main() -> None:
         "engine": f"{serve.get('engine')} {serve.get('engine_version')}",
         "cold": breakdown(cold["summary"]),
         "warm": breakdown(warm["summary"]),
-        # the figures the README quotes, the same cold and warm (warm takes them from the cache)
+        # the figures the README and docs/measurements.md quote, the same cold and warm (warm takes them from the cache)
         "figures": {
             run: {
                 k: s["summary"]["stages"][st].get(k)

@@ -2,7 +2,7 @@
 (the README's first command trains it; cached in outputs/ after, trained here otherwise), relabeled as another
 tool ships a draft (no provenance, its ids in vLLM's convention under both keys). Prints, as Markdown, what each
 engine would feed it, and loss_0 and acc_0 under each candidate reading with their standard errors and loss_0's
-distance above the lowest (paired over the same sequences), then the verdict: the README's table.
+distance above the lowest (paired over the same sequences), then the verdict: docs/layers.md's table.
 
     .venv/bin/python scripts/find_trained_layers.py [hydra overrides ...]    # default: +experiment=tiny_eagle3
 """

@@ -1,4 +1,4 @@
-"""The demo run N times: the spread of every figure the README quotes, as min / median / max.
+"""The demo run N times: the spread of every figure the README and docs/measurements.md quote, as min / median / max.
 
     .venv/bin/python scripts/repeat_demo.py [--runs 5] [hydra overrides...]
 

@@ -1,4 +1,4 @@
-"""The layer-search demo, timed, and the figures the README quotes.
+"""The layer-search demo, timed, and the figures docs/experiments.md quotes.
 
     .venv/bin/python scripts/search_demo.py [hydra overrides...]
 

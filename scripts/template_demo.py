@@ -1,4 +1,4 @@
-"""The tiny demo under a published chat template, beside the project's own: the README's table.
+"""The tiny demo under a published chat template, beside the project's own: docs/data.md's table.
 
     .venv/bin/python scripts/template_demo.py [--template tests/data/chat_templates/<file>.jinja]
 

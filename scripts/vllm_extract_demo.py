@@ -1,4 +1,4 @@
-"""The tiny demo's states captured by vLLM beside HF's: the README's figures for `extract.engine=vllm`.
+"""The tiny demo's states captured by vLLM beside HF's: docs/engines.md's figures for `extract.engine=vllm`.
 
     .venv/bin/python scripts/vllm_extract_demo.py
 

@@ -360,7 +360,7 @@ def _wait_until(predicate, timeout: float, what: str, describe=lambda: "") -> No
 
 @pytest.fixture
 def mlflow_ui(sweep_store, tmp_path):
-    """`mlflow ui` on the sweep's store, as the README starts it, on a free port."""
+    """`mlflow ui` on the sweep's store, as docs/experiments.md starts it, on a free port."""
     uri, _ = sweep_store
     port = free_port()
     mlflow = Path(sys.executable).with_name("mlflow")

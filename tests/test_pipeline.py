@@ -117,9 +117,10 @@ SWEEP = ("aux_layers=[1,4,6],[0,3,6],[2,4,5]", "extract.extra_layers=[0,1,2,3,4,
 
 
 def test_a_sweep_measures_the_baseline_once(fast_cache, tmp_path):
-    """The README's 3-point sweep, from the command line: one baseline server and three speculative servers start
-    (counted in its output), the three points' speedups divide by the one baseline, and each point's MLflow run
-    names the run that measured it. The union of the points' layers is extracted once (extract.extra_layers)."""
+    """The 3-point sweep of docs/experiments.md, from the command line: one baseline server and three speculative
+    servers start (counted in its output), the three points' speedups divide by the one baseline, and each point's
+    MLflow run names the run that measured it. The union of the points' layers is extracted once
+    (extract.extra_layers)."""
     outputs = copy_cache(fast_cache("extract"), tmp_path / "outputs", parts=("targets",))
     done = subprocess.run(
         [sys.executable, "-m", "orchestrator", "-m", "+experiment=tiny_eagle3", f"outputs_dir={outputs}", *FAST,

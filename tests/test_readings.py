@@ -107,7 +107,7 @@ def test_a_relabeled_draft_is_read_searched_and_measured_by_eval_like_the_traine
     refuses serve.engine=reference, which reads SGLang's convention. The loss_0 search cannot name this draft's
     layers: 16 steps on the weak FAST target leave its loss_0 at 6.09 under every reading, within 0.0001, and it
     says so rather than name one (over 48 sequences those consistent 0.0001 named [2, 5, 7] at 12.7 standard errors
-    before `readings.MIN_LEAD`); the demo's draft is named (the README's table, scripts/find_trained_layers.py).
+    before `readings.MIN_LEAD`); the demo's draft is named (docs/layers.md's table, scripts/find_trained_layers.py).
     Imported with train.from_draft (aux_layers [1, 4, 6]), eval measures exactly what it measures for the trained
     draft: the same weights fed the same states."""
     outputs = fast_cache("extract", "train", "eval")

@@ -364,8 +364,8 @@ def test_a_pruned_point_proposed_again_is_not_run_again(outputs):
 
 @pytest.mark.slow
 def test_demo_search_finds_at_least_the_baseline(tmp_path):
-    """The README's layer-search demo as a user runs it (minutes on 2 cores: outside the default suite): within
-    its trials, a point the sampler proposed (not the enqueued baseline) does at least as well as the
+    """The layer-search demo (docs/experiments.md) as a user runs it (minutes on 2 cores: outside the default
+    suite): within its trials, a point the sampler proposed (not the enqueued baseline) does at least as well as the
     experiment's own aux_layers."""
     env = os.environ | {"EAGLE_ORCH_OUTPUTS": str(tmp_path)}
     proc = subprocess.run(

@@ -5,7 +5,7 @@
 is the same study as `python -m orchestrator +experiment=tiny_eagle3 +search=tiny_llama`: Optuna 5 over
 `aux_layers` (`orchestrator/search.py`), with its space, one extraction, pruning, resume and MLflow runs. The
 hydra-optuna-sweeper plugin cannot do it (it pins optuna<3, whose sqlite storage fails under the SQLAlchemy 2
-that MLflow needs, and its task function gets no trial to report to a pruner; see the README), so this plugin
+that MLflow needs, and its task function gets no trial to report to a pruner; see docs/experiments.md), so this plugin
 takes its group name. Hydra loads sweepers only from the `hydra_plugins` package, hence this one's place.
 """
 

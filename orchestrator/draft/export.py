@@ -111,7 +111,8 @@ def draft_config(
     return conf
 
 
-# Where each engine's runners read a draft config's layer ids, first key first (docs/engines.md#where-the-ids-are-read):
+# Where each engine's runners read a draft config's layer ids, first key first
+# (docs/engines.md#where-each-engine-and-runner-reads-a-drafts-ids):
 #   SGLang 0.5.23: eagle_config.eagle_aux_hidden_state_layer_ids only.
 #   vLLM 0.32, V1 runner (v1/worker/gpu_model_runner.py `_get_eagle3_aux_layers_from_config`): the top-level key,
 #     else eagle_config.eagle_aux_hidden_state_layer_ids.

@@ -17,7 +17,7 @@ convention, or none, and no record of the layers it was trained on. Two answers,
 Why loss_0 decides and acc_0 is only reported: where adjacent layers' states differ little (the tiny Llama's), a
 draft's top-1 token barely moves when it is fed a neighbouring layer: the demo's draft's acc_0 one layer above its
 trained layers is within a third of a standard error of its acc_0 on them; the distribution it was fitted to moves
-measurably, and loss_0 names the trained layers by 20 standard errors (the README's table, printed by
+measurably, and loss_0 names the trained layers by 20 standard errors (docs/layers.md's table, printed by
 scripts/find_trained_layers.py).
 """
 

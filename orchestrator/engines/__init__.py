@@ -259,7 +259,7 @@ def installed_version(python: str, distributions: tuple[str, ...], timeout: floa
 
 @cache
 def _modules() -> tuple[str, ...]:
-    return tuple(m.name for m in pkgutil.iter_modules(__path__) if m.ispkg and not m.name.startswith("_"))
+    return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if m.ispkg and not m.name.startswith("_")))
 
 
 @cache

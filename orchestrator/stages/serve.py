@@ -1,8 +1,9 @@
 """Serving: the target with and without the draft behind the same HTTP API, benchmarked side by side.
 
 Baseline and speculative servers run one after the other in this stage on the same prompt set, so the speedup
-is a ratio measured in one run. The engine is SGLang (GPU; `orchestrator.engines.sglang.cli` builds its command)
-or the project's reference engine (CPU). A benchmark never resumes half-way: each server starts clean.
+is a ratio measured in one run. The engine is `serve.engine`'s (orchestrator/engines/: vLLM, SGLang, or the
+project's reference engine), its command from `engines.server_command`. A benchmark never resumes half-way:
+each server starts clean.
 """
 
 from __future__ import annotations
