@@ -57,7 +57,7 @@ started=$(date +%s)
   || { tail -50 "$out/demo.log"; exit 1; }
 demo_s=$(( $(date +%s) - started ))
 
-"$python" scripts/bench_train_gpu.py "${bench[@]}" --json "$out/bench.json" >"$out/bench.log" 2>&1 \
+"$python" benchmarks/bench_train_gpu.py "${bench[@]}" --json "$out/bench.json" >"$out/bench.log" 2>&1 \
   || { tail -50 "$out/bench.log"; exit 1; }
 
 if [ "$dry" = 1 ]; then  # what the GPU run would do: each stage's planned GPUs and precision, the benchmark's plan

@@ -8,16 +8,16 @@ cd "$(dirname "$0")/.."
 .venv/bin/pip install -q -c requirements.lock -e '.[dev,kimi]'
 
 state_dir="$PWD/outputs/slurm-test"
-cleanup() { bash scripts/slurm_cluster.sh stop "$state_dir" >/dev/null 2>&1 || true; }
+cleanup() { bash tests/infra/slurm_cluster.sh stop "$state_dir" >/dev/null 2>&1 || true; }
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  bash scripts/slurm_cluster.sh install
+  bash tests/infra/slurm_cluster.sh install
   # Debian's chromium and its driver for the MLflow UI test (tests/test_mlflow_ui.py); no browser download
   command -v chromedriver >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get -q -y install chromium chromium-driver >&2 \
     || { apt-get -q update >&2 && DEBIAN_FRONTEND=noninteractive apt-get -q -y install chromium chromium-driver >&2; } \
     || echo "chromium could not be installed: the MLflow UI browser test will be skipped" >&2
   rm -rf "$state_dir"  # fresh Slurm state: job ids restart, no stale submitit results
   trap cleanup EXIT
-  eval "$(bash scripts/slurm_cluster.sh start "$state_dir")"
+  eval "$(bash tests/infra/slurm_cluster.sh start "$state_dir")"
   export SLURM_CONF
 else
   echo "not root with apt-get: the Slurm tests (and, without chromium, the MLflow UI test) will be skipped" >&2

@@ -1,4 +1,4 @@
-"""The GPU training benchmark (scripts/bench_train_gpu.py) in its reduced CPU run, so that it cannot rot: the
+"""The GPU training benchmark (benchmarks/bench_train_gpu.py) in its reduced CPU run, so that it cannot rot: the
 project's step is timed, every SpecForge configuration is measured or skipped with a reason, and the script
 imports nothing that the GPU machine lacks (hydra, mlflow, submitit)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "bench_train_gpu.py"
+SCRIPT = ROOT / "benchmarks" / "bench_train_gpu.py"
 
 # runs the script with imports of the packages the GPU machine lacks refused
 BLOCKED_RUN = """
@@ -185,3 +185,40 @@ def test_specforge_is_skipped_on_a_gpu_without_it_naming_the_install():
     reason = bench.specforge_unavailable(torch.device("cuda"))
     assert reason.startswith("cannot import specforge (ModuleNotFoundError") and "pip install --no-deps" in reason
     assert bench.specforge_unavailable(torch.device("cpu")).startswith("device is cpu")
+
+
+def test_the_specforge_rows_decide_the_ratio_and_the_verdict_as_a_gpu_run_measures_them():
+    """What a GPU run does with measured SpecForge rows, on rows as it writes them: the project's tokens/s over
+    SpecForge flex_attention's at each length, PASS or FAIL against the 1.0x target at 2048 (an out-of-memory
+    project step fails it), and UNMEASURED where SpecForge was not measured (skipped, as on a CPU)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_train_gpu as bench
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+    def rows(project_2048: dict, flex_2048: dict) -> list[dict]:
+        return [
+            {"implementation": bench.PROJECT, "seq": 2048, **project_2048},
+            {"implementation": "specforge:flex_attention", "seq": 2048, **flex_2048},
+            {"implementation": "specforge:sdpa", "seq": 2048, "status": "measured", "tokens_per_s": 900.0},
+        ]
+
+    faster = rows({"status": "measured", "tokens_per_s": 1300.0}, {"status": "measured", "tokens_per_s": 1000.0})
+    bench.add_ratios(faster)
+    assert faster[0]["ratio_to_specforge_flex"] == 1.3  # against flex_attention, never against sdpa
+    assert bench.check_targets(faster)["ratio_2048"] | {} == {
+        "target": f">= {bench.RATIO_TARGET}x SpecForge flex_attention tokens/s at seq 2048",
+        "status": "PASS",
+        "value": 1.3,
+    }
+    slower = rows({"status": "measured", "tokens_per_s": 700.0}, {"status": "measured", "tokens_per_s": 1000.0})
+    bench.add_ratios(slower)
+    assert bench.check_targets(slower)["ratio_2048"]["status"] == "FAIL" and slower[0]["ratio_to_specforge_flex"] == 0.7
+    oom = rows({"status": "out of memory"}, {"status": "measured", "tokens_per_s": 1000.0})
+    bench.add_ratios(oom)
+    assert bench.check_targets(oom)["ratio_2048"]["status"] == "FAIL"
+    unmeasured = rows({"status": "measured", "tokens_per_s": 1300.0}, {"status": "skipped", "reason": "device is cpu"})
+    bench.add_ratios(unmeasured)
+    assert unmeasured[0]["ratio_to_specforge_flex"] is None
+    assert bench.check_targets(unmeasured)["ratio_2048"]["status"] == "UNMEASURED"

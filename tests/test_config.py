@@ -115,10 +115,20 @@ def test_a_key_missing_from_the_yaml_fails_naming_it(key):
 
 
 @pytest.mark.parametrize(
-    "option", [*(f"cluster={p.stem}" for p in sorted((conf_dir() / "cluster").glob("*.yaml"))), "serve=sglang"]
-)
+    "option",
+    [*(f"cluster={p.stem}" for p in sorted((conf_dir() / "cluster").glob("*.yaml")) if p.stem != "default"),
+     "serve=sglang"],
+)  # fmt: skip
 def test_group_options_no_experiment_selects_set_every_key(option):
     assert isinstance(compose_root(["+experiment=tiny_eagle3", option]), RootConfig)
+
+
+@pytest.mark.parametrize("group, key", [("cluster", "kind"), ("serve", "engine"), ("target", "name"), ("data", "name")])
+def test_a_groups_base_alone_names_what_its_options_set(group, key):
+    """Each group's default.yaml gives every key but the ones its options choose: selected alone, it is refused
+    naming the first of them."""
+    with pytest.raises(ConfigError, match=re.escape(f"config key '{group}.{key}' has no value")):
+        compose_root(["+experiment=tiny_eagle3", f"{group}=default"])
 
 
 def test_kimi_plan_ids_capture_the_seed_layers(tmp_path):

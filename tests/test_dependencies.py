@@ -59,7 +59,7 @@ def imported_modules(path: Path) -> dict[str, int]:
 # torch and transformers): module -> where it comes from.
 SEPARATE = {
     "specforge": (
-        "scripts/bench_train_gpu.py's comparison, a --no-deps wheel on the GPU machine (scripts/gpu_wheels.py)"
+        "benchmarks/bench_train_gpu.py's comparison, a --no-deps wheel on the GPU machine (scripts/gpu_wheels.py)"
     ),
     "vllm": "orchestrator/engines/vllm/side/load_check.py, run by serve.python (scripts/make_vllm_env.sh)",
     "llvmlite": "orchestrator/engines/vllm/side/capture.py, in vLLM's environment, where numba brings it",
@@ -89,9 +89,10 @@ def undeclared_imports(folder: Path, allowed: set[str], local: set[str]) -> list
     return problems
 
 
-@pytest.mark.parametrize("folder", ["orchestrator", "scripts"])
+@pytest.mark.parametrize("folder", ["orchestrator", "scripts", "benchmarks", "examples"])
 def test_package_and_script_imports_are_declared_dependencies(folder):
-    # scripts/ runs from the project's venv with nothing else installed, so it gets the same dependencies.
+    # scripts/, benchmarks/ and examples/ run from the project's venv with nothing else installed, so they get the
+    # same dependencies.
     problems = undeclared_imports(ROOT / folder, RUNTIME, local={"orchestrator"})
     assert not problems, "add to [project] dependencies in pyproject.toml:\n" + "\n".join(problems)
 
@@ -99,7 +100,8 @@ def test_package_and_script_imports_are_declared_dependencies(folder):
 def test_test_imports_are_declared_dependencies():
     tests = ROOT / "tests"
     local = {"orchestrator"} | {p.stem for p in tests.glob("*.py")} | {p.name for p in tests.iterdir() if p.is_dir()}
-    local |= {p.stem for p in (ROOT / "scripts").glob("*.py")}  # a test may import a script to check its pieces
+    # a test may import a script to check its pieces
+    local |= {p.stem for folder in ("scripts", "benchmarks", "examples") for p in (ROOT / folder).glob("*.py")}
     problems = undeclared_imports(tests, DEV, local)
     assert not problems, "add to [project] dependencies or the dev extra in pyproject.toml:\n" + "\n".join(problems)
 

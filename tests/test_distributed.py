@@ -105,6 +105,8 @@ def test_two_rank_training_reaches_the_one_rank_weights(runs):
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
         moved += int(not torch.equal(w1[name], w2[name]))
+    # the two ranks computed their own draft (their gradients summed in another order), not the one-rank one again
+    assert moved > 0, "the two-rank draft is bit for bit the one-rank draft: it was not trained by two ranks"
     t1, t2 = summary1["stages"]["train"], summary2["stages"]["train"]
     assert t2["val_loss"] == pytest.approx(t1["val_loss"], rel=1e-4)
     for k in range(3):
@@ -184,8 +186,16 @@ def test_only_rank_zero_writes(runs):
     written = sorted(str(p.relative_to(train_dir)) for p in train_dir.rglob("*") if p.is_file())
     assert not [p for p in written if ".tmp" in p]
     assert "checkpoints/latest.pt" in written and "manifest.json" in written
-    logs = {rank: sorted((cfg2.outputs / "writes").glob(f"rank{rank}.*.txt")) for rank in (0, 1)}
-    assert logs[0] and logs[1], f"both training tasks ran with the audit hook: {logs}"
+    # the training job: the one whose rank-1 task log shows rank 1's training (the extract job's tasks log too)
+    train_jobs = {
+        p.name.split("_")[0]
+        for p in Path(summary2["run_dir"], "jobs").glob("*_1_log.err")
+        if "train (rank 1/2)" in p.read_text(errors="replace")
+    }
+    assert len(train_jobs) == 1, f"one two-task training job: {train_jobs}"
+    (job,) = train_jobs
+    logs = {rank: sorted((cfg2.outputs / "writes").glob(f"rank{rank}.{job}.*.txt")) for rank in (0, 1)}
+    assert logs[0] and logs[1], f"both tasks of training job {job} ran with the audit hook: {logs}"
     by_rank = {
         rank: [line.split("\t") for p in files for line in p.read_text().splitlines()] for rank, files in logs.items()
     }

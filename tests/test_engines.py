@@ -7,6 +7,7 @@ import json
 import shutil
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -45,11 +46,43 @@ def test_each_engine_reads_its_own_convention_and_the_reference_engine_reads_sgl
     layers, n = [1, 3, 5], 8
     ids = {e: layer_contract.to_engine_ids(e, layers, n, family, "0.32.0" if e == "vllm" else "0.5.23")
            for e in engines.names(engines.SERVE)}  # fmt: skip
-    assert ids["reference"] == ids["sglang"]
     assert layer_contract.id_convention("reference") == layer_contract.id_convention("sglang") == "sglang"
     assert layer_contract.id_convention("vllm") == "vllm"
     assert ids["vllm"] == [2, 4, 6]  # vLLM's id k: the state entering layer k, i.e. layer k-1's output
     assert layer_contract.from_engine_ids("vllm", ids["sglang"], n, family, "0.32.0") != layers
+
+
+def test_the_reference_server_reads_a_draft_config_in_sglangs_ids(fast_cache, tiny_config, tmp_path):
+    """The reference engine's own server, given the trained draft (its config in SGLang's ids, as the reference
+    engine's serve stage exports it), feeds it the trained layers; given the same draft in vLLM's ids, it reads the
+    layers SGLang's rule reads for them, not the trained ones: it reads SGLang's convention, whatever the draft was
+    written for."""
+    from orchestrator.compute import cpu
+    from orchestrator.draft import export as draft_export
+    from orchestrator.engines.reference.server import Engine as ReferenceServer
+    from orchestrator.pipeline import make_plan
+
+    cfg = tiny_config()
+    fast_cache("train")
+    plan = make_plan(cfg, tmp_path / "run")
+    trained, target, n = plan.dir("train") / "draft", Path(plan.target_dir), cfg.target.num_hidden_layers
+    conf = json.loads((trained / "config.json").read_text())
+    assert draft_export.nested_ids(conf) == layer_contract.to_engine_ids("sglang", cfg.aux_layers, n, "llama", "0.5.23")
+    server = ReferenceServer(target, trained, 3, "llama", "0.5.23", cpu())
+    assert server.layers == list(cfg.aux_layers)
+
+    vllm_ids = layer_contract.to_engine_ids("vllm", cfg.aux_layers, n, "llama", "0.32.0")
+    assert vllm_ids != draft_export.nested_ids(conf)  # Llama: vLLM's id k is SGLang's k - 1
+    copy = shutil.copytree(trained, tmp_path / "draft_vllm")
+    written = draft_export.write_layer_ids(conf, vllm_ids, "vllm")
+    (copy / "config.json").write_text(json.dumps(written))
+    sglang_reads = layer_contract.from_engine_ids("sglang", draft_export.nested_ids(written), n, "llama", "0.5.23")
+    assert sglang_reads != list(cfg.aux_layers)
+    if len(sglang_reads) < len(cfg.aux_layers):  # SGLang's rule drops an id it cannot capture: the server refuses
+        with pytest.raises(RuntimeError, match=rf"captured {len(sglang_reads)} of {len(cfg.aux_layers)} aux hidden"):
+            ReferenceServer(target, copy, 3, "llama", "0.5.23", cpu())
+    else:
+        assert ReferenceServer(target, copy, 3, "llama", "0.5.23", cpu()).layers == sglang_reads
 
 
 ECHO = """\

@@ -136,12 +136,25 @@ def test_a_hub_name_already_in_the_local_cache_loads_offline(tmp_path, monkeypat
 
 
 def test_a_hub_name_not_in_the_local_cache_is_never_downloaded(tmp_path, monkeypatch):
+    """The network is blocked, and every attempt to use it recorded: a hub name missing from the cache fails
+    naming the cache, without one attempt (an online lookup would resolve the hub's address first)."""
+    import socket
+
     import datasets
 
+    attempts = []
+
+    def blocked(*args, **kwargs):
+        attempts.append(args)
+        raise OSError("the network is blocked in this test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", blocked)
+    monkeypatch.setattr(socket.socket, "connect", lambda sock, address: blocked(address))
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "empty-cache")
     cfg = hf(tmp_path, "data.path=acme/no-such-chats")
     with pytest.raises(DataFileError, match=r"data.path='acme/no-such-chats': .*not in the local `datasets` cache"):
         conversations(cfg.data, cfg.seed)
+    assert attempts == [], f"the network was touched: {attempts}"
 
 
 def test_config_errors_name_the_key(tmp_path):

@@ -27,6 +27,7 @@ from mlflow.tracking import MlflowClient
 
 from orchestrator import tracking
 from orchestrator.artifacts import write_json, write_manifest
+from orchestrator.compute import cpu
 from orchestrator.engines.client import free_port
 from orchestrator.pipeline import finish, make_plan
 
@@ -185,6 +186,10 @@ def _accuracies(acc0: float) -> dict:
     return acc | full | {"expected_accept_length": 1 + sum(full.values())}
 
 
+# where a one-process CPU stage runs, as `Compute.describe()` gives it
+CPU = cpu().describe()
+
+
 def _run_point(outputs: Path, layers: list[int], acc0: float, speedup: float, reuse_from: Path | None) -> str:
     """One pipeline run's MLflow record: the stages' manifests (and training's metrics.json and plot) in the
     plan's folders, the metrics each stage logs when it runs, and `finish`. With `reuse_from`, extraction and
@@ -201,6 +206,7 @@ def _run_point(outputs: Path, layers: list[int], acc0: float, speedup: float, re
         "bytes_per_token": 1029.0,
         "loss_tokens_per_sequence": 78.0,
         "output": "x",
+        "compute": CPU,
     }
     val = _accuracies(acc0) | {"loss": 13.2}
     history = [{"step": 8, **_accuracies(acc0 - 0.1), "loss": 14.1}, {"step": 16, **val}]
@@ -210,7 +216,7 @@ def _run_point(outputs: Path, layers: list[int], acc0: float, speedup: float, re
         plan.dir("train").mkdir(parents=True, exist_ok=True)
         write_json(plan.dir("train") / "metrics.json", {"history": history, "final": val})
         plot_accuracy(val, 3, plan.dir("train") / "accuracy_by_position.png")
-        train = {f"val_{k}": v for k, v in val.items()} | {"draft_dir": "x"}
+        train = {f"val_{k}": v for k, v in val.items()} | {"draft_dir": "x", "compute": CPU}
         write_manifest(plan.dir("train"), {"stage": "train", "key": plan.stage_keys["train"], "result": train})
 
     if reuse_from is not None:
@@ -226,9 +232,15 @@ def _run_point(outputs: Path, layers: list[int], acc0: float, speedup: float, re
         run_dir,
         cached=[e["stage"] for e in plan.stages if e["cached"]],
     )
+
+    def ran(stage: str) -> None:  # how a live stage records where it ran (pipeline.run_stage)
+        tracker.params({f"{stage}.{k}": v for k, v in tracking.compute_params(CPU).items()})
+
     if reuse_from is None:  # the stages run and log as they go
         write_cached_stages(plan)
+        ran("extract")
         tracker.stage_result("extract", extract)
+        ran("train")
         for entry in history:
             tracker.train_validation(entry["step"], entry)
     ev = _accuracies(acc0 - 0.005) | {
@@ -242,6 +254,7 @@ def _run_point(outputs: Path, layers: list[int], acc0: float, speedup: float, re
     }
     serve = _serve_result(speedup, accept_length=ev["expected_accept_length"])
     for stage, result in (("eval", ev), ("serve", serve)):
+        ran(stage)
         tracker.stage_result(stage, result)
         write_manifest(plan.dir(stage), {"stage": stage, "key": plan.stage_keys[stage], "result": result})
     finish(cfg, plan, tracker)
@@ -426,7 +439,10 @@ def test_runs_table_and_compare_view_tell_the_layer_choices_apart(sweep_store, m
     page = browser.wait_for_text("layers (aux_layers)", "accept length, served", "speedup, speculative / baseline")
     browser.screenshot(tmp_path / "run_page.png")
     assert "0, 3, 6" in page and "cached stages\textract, train" in page and "1.18x (range" in page, page[:3000]
-    assert "Parameters (17)" in page
+    # every param the run logged (the curated config values, and where each stage ran), as a real run logs them
+    logged = len(tracking.CURATED_PARAMS) + 4 * len(tracking.compute_params(CPU))  # 17 + 4 stages x 4: 33
+    assert len(cached.data.params) == len(fresh.data.params) == logged
+    assert f"Parameters ({len(cached.data.params)})" in page
 
     # the compare view: the layers and the metrics that differ, side by side (URL order), no NaN for the cached run
     ids = json.dumps([fresh.info.run_id, cached.info.run_id], separators=(",", ":"))

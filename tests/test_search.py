@@ -420,9 +420,12 @@ def test_two_workers_reaching_the_enqueued_baseline_run_it_once(tmp_path, monkey
     barrier = threading.Barrier(2, timeout=10)  # the other worker arrives within milliseconds when it can
     original = models.TrialModel.find_or_raise_by_id.__func__
 
+    held_reads = []
+
     def held(cls, trial_id, session, for_update=False):
         row = original(cls, trial_id, session, for_update)
         if for_update and row.state == optuna.trial.TrialState.WAITING:
+            held_reads.append(trial_id)
             try:
                 barrier.wait()
             except threading.BrokenBarrierError:  # alone: the other worker is not reading the queue now
@@ -436,6 +439,9 @@ def test_two_workers_reaching_the_enqueued_baseline_run_it_once(tmp_path, monkey
         tmp_path, monkeypatch, "search.n_trials=2", "search.study_name=race", hold_s=60
     )
     study.run()
+    # Optuna took the queued baseline through the held read: the race this test sets up was offered (were Optuna to
+    # take queued trials another way, the patch would hold nothing and the assertions below would prove nothing)
+    assert held_reads, "no worker read a WAITING trial through TrialModel.find_or_raise_by_id(for_update=True)"
     points = [point for _, point in calls]
     assert len(calls) == 2 and len({run_dir for run_dir, _ in calls}) == 2 and points.count([1, 4, 6]) == 1, calls
     trials = _study(tmp_path, "race").trials

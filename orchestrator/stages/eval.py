@@ -197,6 +197,9 @@ def mismatch_causes(cfg: RootConfig, prov: dict[str, Any], layers: list[int], ta
 
 
 def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
+    """The exported draft, as serving gets it, run against the live target: its accuracy on the validation
+    sequences paired with the same draft fed its training states, its expected accept length, and a flag for every
+    train/serve difference found."""
     out = plan.dir("eval")
     out.mkdir(parents=True, exist_ok=True)
     draft_dir = served_draft_dir(cfg, plan)
@@ -204,25 +207,17 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     draft.to(compute.device)
     prov = draft_export.provenance(draft_dir)
     extract_dir = plan.dir("extract")
-    manifest = read_manifest(extract_dir, "extract")
-    if manifest["key"] != prov.get("extract_key"):
-        raise ArtifactError(
-            f"{extract_dir}/manifest.json: extraction {manifest['key']} is not the one the draft at {draft_dir} was "
-            f"trained on ({prov.get('extract_key')}); eval compares the draft on the same validation sequences, so it "
-            "needs that extraction"
-        )
+    manifest = _extraction_trained_on(extract_dir, prov, draft_dir)
     model, tokenizer = load_target(Path(plan.target_dir), cfg.target.trust_remote_code, compute, cfg.data.chat_template)
     layers = served_layers(cfg, draft_conf)
-    steps = cfg.eval.draft_steps
-    trained_steps = prov.get("trained_ttt_steps", steps)
-    flags: list[str] = []
     result: dict[str, Any] = {
         "served_layers": layers,
         "trained_layers": prov.get("aux_layers"),
-        "draft_steps": steps,
+        "draft_steps": cfg.eval.draft_steps,
         "draft_dtype": str(draft.fc.weight.dtype).removeprefix("torch."),
         "compute": compute.describe(),
     }
+    flags: list[str] = []
     if len(layers) != draft.shape.num_aux_layers:
         # Nothing can be measured: the draft cannot consume what serving captures. No accuracy is reported.
         flags.append(
@@ -233,40 +228,80 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         )
         result |= {"mismatch": True, "mismatch_flags": flags}
     else:
-        split = load_split(extract_dir, manifest, "val", prov["aux_layers"])
-        val_seqs = split.take(range(min(cfg.eval.max_conversations, len(split))))
-        positions = min(steps, trained_steps) if trained_steps else steps
-        acc = text_accuracy(model, draft, layers, val_seqs, positions, compute.device)
-        _, val_convs = conversations(cfg.data, cfg.seed)
-        prompts = [prompt_ids(tokenizer, c, cfg.data.max_seq_len) for c in val_convs[: cfg.eval.prompts]]
-        greedy = greedy_accept_length(
-            model, tokenizer, draft, layers, prompts, steps, cfg.eval.max_new_tokens, compute.device
-        )
-        val = prov.get("val_metrics", {})
-        result |= (
-            acc
-            | greedy
-            | {"sequences": len(val_seqs), "train_val_acc": [val.get(f"acc_{k}") for k in range(positions)]}
-        )
-        significant, noise = significant_gaps(acc, positions, cfg.eval.acc_tolerance)
-        worst = max(significant, key=significant.get) if significant else None
-        if worst is not None:
-            flags.append(
-                f"eval: on the same {len(val_seqs)} validation sequences, the draft fed what serving captures scores "
-                f"acc_{worst}={acc[f'acc_{worst}']:.3f}, {acc[f'acc_gap_{worst}']:.3f} below the "
-                f"{acc[f'trained_states_acc_{worst}']:.3f} it scores on the states it was trained on (tolerance "
-                f"eval.acc_tolerance={cfg.eval.acc_tolerance}, sampling noise {noise[worst]:.3f} over "
-                f"{acc[f'positions_{worst}']} positions): train/serve mismatch. Likely causes: "
-                + "; ".join(mismatch_causes(cfg, prov, layers, tokenizer_hash(Path(plan.target_dir))))
-            )
-        elif layers != prov.get("aux_layers"):
-            flags.append("eval: " + mismatch_causes(cfg, prov, layers, None)[0])
-        if steps > trained_steps:
-            flags.append(f"eval: eval.draft_steps={steps} exceeds the draft's trained TTT depth {trained_steps}")
+        result |= _measured(cfg, (model, tokenizer, draft), layers, (extract_dir, manifest), prov, compute)
+        flags += _mismatch_flags(cfg, plan, result, prov)
         result |= {"mismatch": bool(flags), "mismatch_flags": flags}
     result["headline"] = {
         k: result[k] for k in ("acc_0", "trained_states_acc_0", "expected_accept_length", "mismatch") if k in result
     }
+    _record(plan, tracker, out, result)
+    return result
+
+
+def _extraction_trained_on(extract_dir: Path, prov: dict[str, Any], draft_dir: Path) -> dict[str, Any]:
+    """The extraction's manifest, once it is the one the draft was trained on: eval compares the draft on the
+    validation sequences training validated on."""
+    manifest = read_manifest(extract_dir, "extract")
+    if manifest["key"] != prov.get("extract_key"):
+        raise ArtifactError(
+            f"{extract_dir}/manifest.json: extraction {manifest['key']} is not the one the draft at {draft_dir} was "
+            f"trained on ({prov.get('extract_key')}); eval compares the draft on the same validation sequences, so it "
+            "needs that extraction"
+        )
+    return manifest
+
+
+def _measured(cfg: RootConfig, models, layers: list[int], extraction, prov: dict[str, Any], compute: Compute):
+    """The paired accuracies on the validation sequences (`text_accuracy`) and the greedy accept length on the
+    serving prompts (`greedy_accept_length`), with training's own validation accuracies beside them."""
+    (model, tokenizer, draft), (extract_dir, manifest) = models, extraction
+    steps, positions = cfg.eval.draft_steps, _positions(cfg, prov)
+    split = load_split(extract_dir, manifest, "val", prov["aux_layers"])
+    val_seqs = split.take(range(min(cfg.eval.max_conversations, len(split))))
+    acc = text_accuracy(model, draft, layers, val_seqs, positions, compute.device)
+    _, val_convs = conversations(cfg.data, cfg.seed)
+    prompts = [prompt_ids(tokenizer, c, cfg.data.max_seq_len) for c in val_convs[: cfg.eval.prompts]]
+    greedy = greedy_accept_length(
+        model, tokenizer, draft, layers, prompts, steps, cfg.eval.max_new_tokens, compute.device
+    )
+    val = prov.get("val_metrics", {})
+    trained = [val.get(f"acc_{k}") for k in range(positions)]
+    return acc | greedy | {"sequences": len(val_seqs), "train_val_acc": trained}
+
+
+def _positions(cfg: RootConfig, prov: dict[str, Any]) -> int:
+    """The draft positions scored: eval.draft_steps, or fewer where the draft was trained to a shallower depth."""
+    trained_steps = prov.get("trained_ttt_steps", cfg.eval.draft_steps)
+    return min(cfg.eval.draft_steps, trained_steps) if trained_steps else cfg.eval.draft_steps
+
+
+def _mismatch_flags(cfg: RootConfig, plan, result: dict[str, Any], prov: dict[str, Any]) -> list[str]:
+    """A gap beyond noise between the draft fed what serving captures and fed its training states, served layers
+    other than the trained ones, or more draft steps than it was trained for: each with its likely causes."""
+    flags = []
+    layers, steps = result["served_layers"], cfg.eval.draft_steps
+    significant, noise = significant_gaps(result, _positions(cfg, prov), cfg.eval.acc_tolerance)
+    worst = max(significant, key=significant.get) if significant else None
+    if worst is not None:
+        flags.append(
+            f"eval: on the same {result['sequences']} validation sequences, the draft fed what serving captures "
+            f"scores acc_{worst}={result[f'acc_{worst}']:.3f}, {result[f'acc_gap_{worst}']:.3f} below the "
+            f"{result[f'trained_states_acc_{worst}']:.3f} it scores on the states it was trained on (tolerance "
+            f"eval.acc_tolerance={cfg.eval.acc_tolerance}, sampling noise {noise[worst]:.3f} over "
+            f"{result[f'positions_{worst}']} positions): train/serve mismatch. Likely causes: "
+            + "; ".join(mismatch_causes(cfg, prov, layers, tokenizer_hash(Path(plan.target_dir))))
+        )
+    elif layers != prov.get("aux_layers"):
+        flags.append("eval: " + mismatch_causes(cfg, prov, layers, None)[0])
+    trained_steps = prov.get("trained_ttt_steps", steps)
+    if steps > trained_steps:
+        flags.append(f"eval: eval.draft_steps={steps} exceeds the draft's trained TTT depth {trained_steps}")
+    return flags
+
+
+def _record(plan, tracker, out: Path, result: dict[str, Any]) -> None:
+    """The result in MLflow (metrics, the mismatch tags), eval.json and the manifest, last; each flag printed."""
+    flags = result["mismatch_flags"]
     tracker.stage_result("eval", result)
     tracker.tags(
         {"eval.mismatch": str(result["mismatch"]).lower()}
@@ -276,4 +311,3 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     write_manifest(out, {"stage": "eval", "key": plan.stage_keys["eval"], "result": result})
     for flag in flags:
         print(f"[eval] MISMATCH: {flag}")
-    return result

@@ -43,80 +43,110 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     heartbeat = _Heartbeat(out, compute, cfg.extract.collective_timeout_min * 60) if compute.distributed else None
     target_path = ensure_target(cfg)  # a tiny target is built under a file lock: ranks wait for one build
     target = identity(cfg, target_path)
+    layers = list(layer_contract.validate_canonical(captured_layers(cfg), target.num_hidden_layers))
+    shards = _shards(cfg)
+    mine = [(split, i) for split in shards for i in range(len(shards[split])) if i % compute.world_size == compute.rank]
+    started = time.time()
+    todo = _todo(cfg, out, compute, mine)
+    regenerate_s = _regenerate_through_server(cfg, out, compute, target_path, shards, todo)
+    tokens, regenerate_s = _extract_shards(cfg, out, compute, (target_path, layers), shards, todo, regenerate_s)
+    if not todo:
+        print(f"[extract] rank {compute.rank}: all {len(mine)} of its shards are done; the target is not loaded")
+    # Every rank's shards are complete before rank 0 reads them: the slowest rank's time is the stage's.
+    mine_done = {"tokens": tokens, "seconds": time.time() - started, "regenerate_s": regenerate_s}
+    done = _join_ranks(out, compute, mine_done, heartbeat)
+    if not compute.is_main:
+        return {}
+    splits = {split: _split_record(out, split, len(chunks)) for split, chunks in shards.items()}
+    with atomic_path(out / "token_freq.safetensors") as tmp:
+        save_file({"counts": token_counts(out, splits["train"]["shards"], target.vocab_size)}, str(tmp))
+    _warn_if_short(cfg, splits["train"]["loss_tokens_per_sequence"])
+    result = _result(out, compute, splits, done)
+    write_manifest(out, _manifest(cfg, plan, target, layers, compute, splits, result))
+    tracker.stage_result("extract", result)
+    return result
+
+
+def _shards(cfg: RootConfig) -> dict[str, list[list]]:
+    """Each split's conversations, cut into shards of extract.shard_conversations."""
     train_convs, val_convs = conversations(cfg.data, cfg.seed)
-    n = target.num_hidden_layers
-    layers = list(layer_contract.validate_canonical(captured_layers(cfg), n))
     size = cfg.extract.shard_conversations
-    shards = {
+    return {
         split: [convs[i : i + size] for i in range(0, len(convs), size)]
         for split, convs in (("train", train_convs), ("val", val_convs))
     }
-    mine = [(split, i) for split in shards for i in range(len(shards[split])) if i % compute.world_size == compute.rank]
 
+
+def _todo(cfg: RootConfig, out: Path, compute: Compute, mine: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """This rank's shards not done yet; with extract.force all of them, the old manifest removed first, so nothing
+    reads the folder as whole meanwhile."""
+    if not cfg.extract.force:
+        return [(split, i) for split, i in mine if not shard_done(out, split, i)]
+    if compute.is_main:
+        for stale in (out / "manifest.json", out / VERIFIED):
+            stale.unlink(missing_ok=True)
+    return list(mine)
+
+
+def _regenerate_through_server(cfg: RootConfig, out: Path, compute: Compute, target_path: Path, shards, todo) -> float:
+    """With data.regenerate.engine=server, the serving engine answers every prompt of `todo` first, on the job's
+    GPUs, and is stopped before the target loads onto them. Its seconds (0 otherwise)."""
+    r = cfg.data.regenerate
+    if not (r.enabled and r.engine == "server" and todo):
+        return 0.0
     started = time.time()
-    if cfg.extract.force:  # every shard again; the old manifest goes first, so nothing reads the folder as whole
-        if compute.is_main:
-            for stale in (out / "manifest.json", out / VERIFIED):
-                stale.unlink(missing_ok=True)
-        todo = list(mine)
-    else:
-        todo = [(split, i) for split, i in mine if not shard_done(out, split, i)]
-    regenerate_s = 0.0
-    if cfg.data.regenerate.enabled and cfg.data.regenerate.engine == "server" and todo:
-        # The serving engine answers first, on the job's GPUs, and is stopped before the target loads onto them.
-        tokenizer = load_tokenizer(target_path, cfg.target.trust_remote_code, cfg.data.chat_template)
-        with Endpoint(cfg, out / "logs" / f"rank{compute.rank}") as endpoint:
-            for split, index in todo:
-                _sequences(None, tokenizer, shards[split][index], split, index, out, cfg, endpoint)
-        regenerate_s = time.time() - started
-    capture = None
-    if todo:  # a restarted extraction with every shard done, or a rank with none left, never loads the target
+    tokenizer = load_tokenizer(target_path, cfg.target.trust_remote_code, cfg.data.chat_template)
+    with Endpoint(cfg, out / "logs" / f"rank{compute.rank}") as endpoint:
+        for split, index in todo:
+            _sequences(None, tokenizer, shards[split][index], split, index, out, cfg, endpoint)
+    return time.time() - started
 
-        def rendered(tokenizer, split: str, index: int) -> list[Rendered]:  # a shard's sequences, no model here
-            return _sequences(None, tokenizer, shards[split][index], split, index, out, cfg)
 
-        job = CaptureJob(
-            shards=shards, todo=todo, layers=layers, out=out, compute=compute, target_path=target_path,
-            sequences=rendered,
-        )  # fmt: skip
-        # HF loads the target here; vLLM computes every state of `todo` in one engine run as it opens
-        capture = engines.get(cfg.extract.engine, engines.CAPTURE).open_capture(cfg, job)
-    else:
-        print(f"[extract] rank {compute.rank}: all {len(mine)} of its shards are done; the target is not loaded")
-    tokens_done = 0
+def _extract_shards(
+    cfg: RootConfig, out: Path, compute: Compute, what: tuple[Path, list[int]], shards, todo, regenerate_s: float
+) -> tuple[int, float]:
+    """Each shard of `todo` through the capture engine, written as it is done: the tokens extracted, and the
+    regeneration's seconds with those of the regenerations done here. A rank with nothing to do never loads the
+    target (a restarted extraction with every shard done)."""
+    if not todo:
+        return 0, regenerate_s
+    target_path, layers = what
+
+    def rendered(tokenizer, split: str, index: int) -> list[Rendered]:  # a shard's sequences, no model here
+        return _sequences(None, tokenizer, shards[split][index], split, index, out, cfg)
+
+    job = CaptureJob(
+        shards=shards, todo=todo, layers=layers, out=out, compute=compute, target_path=target_path,
+        sequences=rendered,
+    )  # fmt: skip
+    # HF loads the target here; vLLM computes every state of `todo` in one engine run as it opens
+    capture = engines.get(cfg.extract.engine, engines.CAPTURE).open_capture(cfg, job)
+    tokens = 0
     desc = f"extract (rank {compute.rank}/{compute.world_size})" if compute.distributed else "extract"
     for split, index in tqdm(todo, desc=desc, unit="shard"):
         begin = time.time()
-        rendered = _sequences(capture.model, capture.tokenizer, shards[split][index], split, index, out, cfg)
+        sequences = _sequences(capture.model, capture.tokenizer, shards[split][index], split, index, out, cfg)
         regenerate_s += time.time() - begin if cfg.data.regenerate.enabled else 0.0
-        check_loss_fraction(rendered, cfg, f"{split} shard {index}", target_path)
-        tokens_done += write_shard(out, split, index, capture.shard(split, index, rendered))["num_tokens"]
-    seconds = time.time() - started
-    # Every rank's shards are complete before rank 0 reads them: the slowest rank's time is the stage's.
-    done = _join_ranks(
-        out, compute, {"tokens": tokens_done, "seconds": seconds, "regenerate_s": regenerate_s}, heartbeat
-    )
-    if not compute.is_main:
-        return {}
-    extracted_now = sum(d["tokens"] for d in done)
-    slowest = [max(d["seconds"] for d in done), max(d["regenerate_s"] for d in done)]
+        check_loss_fraction(sequences, cfg, f"{split} shard {index}", target_path)
+        tokens += write_shard(out, split, index, capture.shard(split, index, sequences))["num_tokens"]
+    return tokens, regenerate_s
 
-    splits = {}
-    for split, chunks in shards.items():
-        records = [read_record(out, split, i) for i in range(len(chunks))]
-        loss_tokens = sum(r["num_loss_tokens"] for r in records)
-        sequences_ = sum(r["num_sequences"] for r in records)
-        splits[split] = {
-            "shards": records,
-            "num_tokens": sum(r["num_tokens"] for r in records),
-            "num_sequences": sequences_,
-            "num_loss_tokens": loss_tokens,
-            "loss_tokens_per_sequence": loss_tokens / max(sequences_, 1),
-        }
-    with atomic_path(out / "token_freq.safetensors") as tmp:
-        save_file({"counts": token_counts(out, splits["train"]["shards"], target.vocab_size)}, str(tmp))
 
-    per_seq = splits["train"]["loss_tokens_per_sequence"]
+def _split_record(out: Path, split: str, shards: int) -> dict[str, Any]:
+    """A split's shard records (every rank's) and its counts, for the manifest."""
+    records = [read_record(out, split, i) for i in range(shards)]
+    loss_tokens = sum(r["num_loss_tokens"] for r in records)
+    sequences = sum(r["num_sequences"] for r in records)
+    return {
+        "shards": records,
+        "num_tokens": sum(r["num_tokens"] for r in records),
+        "num_sequences": sequences,
+        "num_loss_tokens": loss_tokens,
+        "loss_tokens_per_sequence": loss_tokens / max(sequences, 1),
+    }
+
+
+def _warn_if_short(cfg: RootConfig, per_seq: float) -> None:
     if cfg.data.regenerate.enabled and per_seq < MIN_RESPONSE_TOKENS:
         print(
             f"[extract] WARNING: the target's regenerated responses average {per_seq:.1f} tokens (under "
@@ -124,59 +154,68 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             "Check the target and its chat template, or train on the data set's responses "
             "(data.regenerate.enabled=false)."
         )
+
+
+def _result(out: Path, compute: Compute, splits: dict[str, Any], done: list[dict[str, float]]) -> dict[str, Any]:
+    """The stage's figures over all ranks: tokens, the extraction's own speed (the slowest rank's seconds less its
+    regeneration's), bytes per token."""
+    extracted_now = sum(d["tokens"] for d in done)
+    seconds, regenerate_s = max(d["seconds"] for d in done), max(d["regenerate_s"] for d in done)
     total_tokens = splits["train"]["num_tokens"] + splits["val"]["num_tokens"]
     total_bytes = sum(s["bytes"] for sp in splits.values() for s in sp["shards"])
     result = {
         "tokens": total_tokens,
         "tokens_extracted_now": extracted_now,
         # hidden-state extraction alone, over all ranks; the target's own responses took `regenerate_s` before it
-        "tokens_per_s": extracted_now / max(float(slowest[0] - slowest[1]), 1e-9) if extracted_now else 0.0,
-        "regenerate_s": float(slowest[1]),
+        "tokens_per_s": extracted_now / max(float(seconds - regenerate_s), 1e-9) if extracted_now else 0.0,
+        "regenerate_s": float(regenerate_s),
         "bytes_per_token": total_bytes / max(total_tokens, 1),
-        "loss_tokens_per_sequence": per_seq,
+        "loss_tokens_per_sequence": splits["train"]["loss_tokens_per_sequence"],
         "output": str(out),
         "compute": compute.describe(),
     }
     result["headline"] = {k: result[k] for k in ("tokens", "tokens_per_s", "bytes_per_token")}
-    write_manifest(
-        out,
-        {
-            "stage": "extract",
-            "key": plan.stage_keys["extract"],
-            "target": target.as_dict(),
-            "tokenizer_hash": target.tokenizer_hash,
-            "aux_layers": layers,
-            "hf_capture_points": [layer_contract.hf_capture_point(k, n) for k in layers],
-            # what computed the states: hf (transformers) or vLLM's extractor, at its ids for the layers and id N
-            "capture_engine": engines.get(cfg.extract.engine).capture_record(cfg, layers),
-            "teacher": {
-                "kind": cfg.extract.teacher,
-                "capture_point": layer_contract.hf_teacher_capture_point(cfg.extract.teacher, n),
-            },
-            "hidden_size": target.hidden_size,
-            "dtype": cfg.extract.dtype,
-            "compute": compute.describe(),
-            "conventions": CONVENTIONS,
-            "data": {
-                "name": cfg.data.name,
-                "max_seq_len": cfg.data.max_seq_len,
-                "seed": cfg.seed,
-                "files": data_identity(cfg.data).get("file_sha256", {}),
-                **(
-                    {"hf": {"path": cfg.data.path, "subset": cfg.data.subset, "revision": cfg.data.revision}}
-                    if cfg.data.name == "hf"
-                    else {}
-                ),  # fmt: skip
-                "responses": "regenerated by the target" if cfg.data.regenerate.enabled else "the data set's",
-                "regenerate": asdict(cfg.data.regenerate),
-            },
-            "splits": splits,
-            "token_freq": "token_freq.safetensors",
-            "result": result,
-        },
-    )
-    tracker.stage_result("extract", result)
     return result
+
+
+def _manifest(cfg: RootConfig, plan, target, layers: list[int], compute: Compute, splits, result) -> dict[str, Any]:
+    """What the extraction holds and how it was made, checked by every stage that reads it
+    (`orchestrator.states.manifest`)."""
+    n = target.num_hidden_layers
+    return {
+        "stage": "extract",
+        "key": plan.stage_keys["extract"],
+        "target": target.as_dict(),
+        "tokenizer_hash": target.tokenizer_hash,
+        "aux_layers": layers,
+        "hf_capture_points": [layer_contract.hf_capture_point(k, n) for k in layers],
+        # what computed the states: hf (transformers) or vLLM's extractor, at its ids for the layers and id N
+        "capture_engine": engines.get(cfg.extract.engine).capture_record(cfg, layers),
+        "teacher": {
+            "kind": cfg.extract.teacher,
+            "capture_point": layer_contract.hf_teacher_capture_point(cfg.extract.teacher, n),
+        },
+        "hidden_size": target.hidden_size,
+        "dtype": cfg.extract.dtype,
+        "compute": compute.describe(),
+        "conventions": CONVENTIONS,
+        "data": {
+            "name": cfg.data.name,
+            "max_seq_len": cfg.data.max_seq_len,
+            "seed": cfg.seed,
+            "files": data_identity(cfg.data).get("file_sha256", {}),
+            **(
+                {"hf": {"path": cfg.data.path, "subset": cfg.data.subset, "revision": cfg.data.revision}}
+                if cfg.data.name == "hf"
+                else {}
+            ),  # fmt: skip
+            "responses": "regenerated by the target" if cfg.data.regenerate.enabled else "the data set's",
+            "regenerate": asdict(cfg.data.regenerate),
+        },
+        "splits": splits,
+        "token_freq": "token_freq.safetensors",
+        "result": result,
+    }
 
 
 class _Heartbeat:

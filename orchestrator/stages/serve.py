@@ -199,6 +199,8 @@ def _refuse_or_flag(cfg: RootConfig, draft: Path, loaded: dict[str, Any] | None,
 
 
 def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
+    """The target served without and with the draft on the same prompts, each server's passes measured once per
+    key (`measure`), their outputs and speeds compared, and what the engine counted held to eval's prediction."""
     s = cfg.serve
     out = plan.dir("serve")
     out.mkdir(parents=True, exist_ok=True)
@@ -208,26 +210,58 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     installed = engine.check_installed(cfg, s.python, "serve.python")
     draft = served_draft_dir(cfg, plan)
     flags: list[str] = []
+    ids = _guarded_ids(cfg, draft, target, flags)
+    tracker.tags({"serve.eagle_aux_hidden_state_layer_ids": json.dumps(ids)})  # the layers' param is aux_layers
+    prompts = _prompts(cfg, target)
+    keys = measurement_keys(plan.stage_keys, engine.measuring(installed), prompts)
+    servers, started, loaded = _measure_servers(cfg, plan, tracker, compute, (target, draft), prompts, keys, flags)
+    result = _compared(cfg, servers, flags)
+    result |= _how_measured(cfg, installed, servers, started, keys, tracker.run_id)
+    result |= {"eagle_aux_hidden_state_layer_ids": ids, "compute": compute.describe()}
+    result |= _engine_counts(cfg, loaded, servers)
+    result |= _against_eval(cfg, plan, result["accept_length"], flags)
+    result |= {"mismatch": bool(flags), "mismatch_flags": flags}
+    result["headline"] = _headline(result)
+    _record(plan, tracker, out, result, servers)
+    return result
+
+
+def _guarded_ids(cfg: RootConfig, draft: Path, target: Path, flags: list[str]) -> list[int]:
+    """The draft config's ids, once the guard passes them; with serve.guard=false a refused draft is served
+    anyway, and flagged."""
     try:
-        ids = guard.check_draft_for_serving(cfg, draft, target_config_json(target))
+        return guard.check_draft_for_serving(cfg, draft, target_config_json(target))
     except guard.ServingRefused as exc:
-        if s.guard:
+        if cfg.serve.guard:
             raise
         flags.append(f"serve: guard off, serving anyway a draft the guard refuses: {exc}")
-        ids = read_json(draft / "config.json", "draft config")["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    tracker.tags({"serve.eagle_aux_hidden_state_layer_ids": json.dumps(ids)})  # the layers' param is aux_layers
-    # the engine's own loader on the draft, where it has one (vLLM): nothing it reads and drops, nothing unloaded,
-    # and every runner of the engine feeding it the states it was trained on, by the runners' own reading
+        return read_json(draft / "config.json", "draft config")["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+
+
+def _prompts(cfg: RootConfig, target: Path) -> list[list[int]]:
+    """The first serve.prompts validation conversations' prompts, as the target's tokenizer renders them."""
     tokenizer = load_tokenizer(target, cfg.target.trust_remote_code, cfg.data.chat_template)
     _, val_convs = conversations(cfg.data, cfg.seed)
-    prompts = [prompt_ids(tokenizer, c, cfg.data.max_seq_len) for c in val_convs[: s.prompts]]
-    keys = measurement_keys(plan.stage_keys, engine.measuring(installed), prompts)
+    return [prompt_ids(tokenizer, c, cfg.data.max_seq_len) for c in val_convs[: cfg.serve.prompts]]
+
+
+def _measure_servers(
+    cfg: RootConfig, plan, tracker, compute: Compute, paths: tuple[Path, Path], prompts, keys, flags: list[str]
+) -> tuple[dict[str, dict[str, Any]], dict[str, bool], dict | None]:
+    """Each server's measurement (`measure`: cached per key, else started and measured), whether this run
+    started it, and the engine's own loader check on the draft (None where it has none).
+
+    The loader check (the engine's own loader on the draft, where it has one: vLLM's; nothing it reads and drops,
+    nothing unloaded, every runner feeding the draft the states it was trained on) is a function of the draft, the
+    target's config and the engine as installed, all in the speculative passes' key: where those passes are cached,
+    so is it. It runs beside the baseline server's start-up (a CPU process of its own; the baseline never depends
+    on the draft) and ends before the baseline's first request; its verdict comes before the speculative server
+    starts."""
+    s, (target, draft) = cfg.serve, paths
+    engine = engines.get(s.engine, engines.SERVE)
+    out = plan.dir("serve")
     trained = draft_export.provenance(draft).get("aux_layers")
-    # the loader check's answer is a function of the draft, the target's config and the engine as installed, all in
-    # the speculative passes' key: where those passes are cached, so is it
     spec_cached = cached_record(cfg, "speculative", keys["speculative"]) or {}
-    # It runs beside the baseline server's start-up (a CPU process of its own; the baseline never depends on the
-    # draft), and ends before the baseline's first request; its verdict comes before the speculative server starts.
     pool = ThreadPoolExecutor(max_workers=1)
     check = pool.submit(
         (lambda: spec_cached["load_check"])
@@ -239,7 +273,6 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         # (vLLM's engine config and loader, building on the CPU) is not proven never to open a device context, so
         # there it ends before any server starts: seconds beside a start-up of minutes.
         check.result()
-
     run = (tracker.run_id, plan.run_dir)
     servers: dict[str, dict[str, Any]] = {}
     started: dict[str, bool] = {}
@@ -261,7 +294,14 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             log = out / f"{mode}_server.log"
             if log.exists():
                 tracker.artifact(log, "serve")
+    return servers, started, loaded
 
+
+def _compared(cfg: RootConfig, servers: dict[str, dict[str, Any]], flags: list[str]) -> dict[str, Any]:
+    """Speed and outputs side by side per concurrency level: the first level's figures, the greedy outputs'
+    agreement (exact in float32 on the reference engine, else held to serve.greedy_token_tolerance), and every
+    level's row."""
+    s = cfg.serve
     per_concurrency = []
     identical = True
     rates = []
@@ -305,41 +345,51 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             f"serve.greedy_token_tolerance={s.greedy_token_tolerance:.2%} allows for {s.engine} in "
             f"{resolve_precision(s.precision, s.resources.gpus_per_node)}: verification is not exact"
         )
-    spec_head = servers["speculative"]["runs"][0]
-    state = (servers["speculative"]["server_info"].get("internal_states") or [{}])[0]
-    histogram = spec_head.get("accept_histogram") or state.get("spec_accept_histogram")
     result: dict[str, Any] = {k: head[k] for k in ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length")}
     result |= {k: v for k, v in head.items() if k.endswith(("ttft_mean_s", "itl_mean_s"))}
-    result["engine"] = s.engine
-    result["engine_version"] = servers["speculative"]["server_info"].get("version") or installed or s.engine_version
-    result["id_rules"] = f"{s.id_rules} ({s.engine_version}, installed)" if installed else s.id_rules
-    if s.fallback_reason:
-        result["engine_fallback"] = s.fallback_reason
-    result |= {
+    return result | {
         "greedy_outputs_identical": identical,
         "greedy_differing_token_rate": worst,
         "greedy_check": "exact" if exact else f"tolerance {s.greedy_token_tolerance:g}",
         "per_concurrency": per_concurrency,
-        "eagle_aux_hidden_state_layer_ids": ids,
-        "compute": compute.describe(),
     }
-    # which passes this run measured, and who measured the others (a sweep's points share one baseline)
+
+
+def _how_measured(
+    cfg: RootConfig, installed: str | None, servers: dict, started: dict[str, bool], keys: dict, run_id: str
+) -> dict[str, Any]:
+    """The engine that measured and its version, which passes this run measured and who measured the others (a
+    sweep's points share one baseline), each started server's seconds (start-up, warm-up, measurement), the keys."""
+    s = cfg.serve
+    result: dict[str, Any] = {
+        "engine": s.engine,
+        "engine_version": servers["speculative"]["server_info"].get("version") or installed or s.engine_version,
+        "id_rules": f"{s.id_rules} ({s.engine_version}, installed)" if installed else s.id_rules,
+    }
+    if s.fallback_reason:
+        result["engine_fallback"] = s.fallback_reason
     result["servers_started"] = started
-    # each server this run started: its start-up, warm-up and measurement (seconds); a cached one started none
     result["server_seconds"] = {mode: servers[mode]["seconds"] for mode in servers if started[mode]}
     result["measured_by"] = {mode: servers[mode]["measured_by"] for mode in servers}
     result["serve_keys"] = keys
-    elsewhere = measured_elsewhere(servers["baseline"]["measured_by"], tracker.run_id)
+    elsewhere = measured_elsewhere(servers["baseline"]["measured_by"], run_id)
     if elsewhere:
         result["baseline_from"] = elsewhere
-    tracker.tags(
-        {f"serve.{mode}_measured_by": ", ".join(m["mlflow_run_id"] for m in servers[mode]["measured_by"])
-         for mode in servers}
-    )  # fmt: skip
+    return result
+
+
+def _engine_counts(cfg: RootConfig, loaded: dict | None, servers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What the engine itself reports: its loader's verdict on the draft, the accepted tokens per position (from
+    the first pass's histogram or the server's own), and the serve cycle's profile where it has one (the reference
+    engine's phases, mean ms each)."""
+    result: dict[str, Any] = {}
     if loaded is not None:
-        result[f"{s.engine}_load_check"] = {
+        result[f"{cfg.serve.engine}_load_check"] = {
             k: loaded[k] for k in ("model_class", "unused", "missing", "runners", "fed", "runner_here")
         }
+    spec_head = servers["speculative"]["runs"][0]
+    state = (servers["speculative"]["server_info"].get("internal_states") or [{}])[0]
+    histogram = spec_head.get("accept_histogram") or state.get("spec_accept_histogram")
     if histogram:
         reached = [sum(histogram[j:]) for j in range(len(histogram))]
         result["accept_rate_by_position"] = [
@@ -350,39 +400,48 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         result["acceptance_by_position"] = [
             reached[k + 1] / reached[0] if reached[0] else 0.0 for k in range(len(histogram) - 1)
         ]
-    # The serve cycle's profile, where the engine reports one (the reference engine's phases, mean ms each).
     for mode in ("baseline", "speculative"):
         for phase, ms in (servers[mode]["server_info"].get("phase_ms") or {}).items():
             result[f"{mode}_{phase}_ms"] = ms
-    eval_manifest = plan.dir("eval") / "manifest.json"
-    if eval_manifest.exists():
-        expected = read_json(eval_manifest, "eval manifest")["result"].get("expected_accept_length")
-        result["eval_expected_accept_length"] = expected
-        if expected and head["accept_length"]:
-            rel = abs(head["accept_length"] - expected) / expected
-            result["accept_length_rel_diff"] = rel
-            if rel > s.accept_length_tolerance:
-                flags.append(
-                    f"serve: served accept length {head['accept_length']:.3f} differs from eval's expected "
-                    f"{expected:.3f} by {rel:.1%} (> serve.accept_length_tolerance={s.accept_length_tolerance:.0%}): "
-                    "serving feeds the draft differently from the standalone eval (layer ids, capture points, dtype)"
-                )
-    result["mismatch"] = bool(flags)
-    result["mismatch_flags"] = flags
-    result["headline"] = {
-        k: result.get(k)
-        for k in (
-            "baseline_tok_s",
-            "spec_tok_s",
-            "speedup",
-            "accept_length",
-            "eval_expected_accept_length",
-            "greedy_outputs_identical",
-        )
-    }
-    if "baseline_from" in result:  # beside the speedup: a baseline another machine or day measured
-        result["headline"]["baseline_from"] = result["baseline_from"]
+    return result
 
+
+def _against_eval(cfg: RootConfig, plan, accept_length: float, flags: list[str]) -> dict[str, Any]:
+    """The served accept length against eval's expected one, where eval ran: apart by more than
+    serve.accept_length_tolerance, serving feeds the draft differently from the standalone eval."""
+    s = cfg.serve
+    eval_manifest = plan.dir("eval") / "manifest.json"
+    if not eval_manifest.exists():
+        return {}
+    expected = read_json(eval_manifest, "eval manifest")["result"].get("expected_accept_length")
+    result: dict[str, Any] = {"eval_expected_accept_length": expected}
+    if expected and accept_length:
+        rel = abs(accept_length - expected) / expected
+        result["accept_length_rel_diff"] = rel
+        if rel > s.accept_length_tolerance:
+            flags.append(
+                f"serve: served accept length {accept_length:.3f} differs from eval's expected "
+                f"{expected:.3f} by {rel:.1%} (> serve.accept_length_tolerance={s.accept_length_tolerance:.0%}): "
+                "serving feeds the draft differently from the standalone eval (layer ids, capture points, dtype)"
+            )
+    return result
+
+
+def _headline(result: dict[str, Any]) -> dict[str, Any]:
+    keys = ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length", "eval_expected_accept_length")
+    headline = {k: result.get(k) for k in (*keys, "greedy_outputs_identical")}
+    if "baseline_from" in result:  # beside the speedup: a baseline another machine or day measured
+        headline["baseline_from"] = result["baseline_from"]
+    return headline
+
+
+def _record(plan, tracker, out: Path, result: dict[str, Any], servers: dict[str, dict[str, Any]]) -> None:
+    """The result in MLflow (who measured each server, the metrics, the mismatch tag), serve.json with each
+    server's passes (less their token ids), and the manifest, last."""
+    tracker.tags(
+        {f"serve.{mode}_measured_by": ", ".join(m["mlflow_run_id"] for m in servers[mode]["measured_by"])
+         for mode in servers}
+    )  # fmt: skip
     tracker.stage_result("serve", result)
     tracker.tags({"serve.mismatch": str(result["mismatch"]).lower()})
     detail = {
@@ -395,6 +454,5 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     }
     write_json(out / "serve.json", detail)
     write_manifest(out, {"stage": "serve", "key": plan.stage_keys["serve"], "result": result})
-    for flag in flags:
+    for flag in result["mismatch_flags"]:
         print(f"[serve] MISMATCH: {flag}")
-    return result

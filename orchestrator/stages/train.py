@@ -261,7 +261,7 @@ def optimizer_step(
 ):
     """One training step of `model` (a `TrainStep`, DDP-wrapped or not): loss under bf16 autocast when asked (the
     weights and the optimizer stay float32), backward, gradient clipping, the optimizer's update. The train stage
-    and `scripts/bench_train_gpu.py` both run it."""
+    and `benchmarks/bench_train_gpu.py` both run it."""
     optim.zero_grad(set_to_none=True)  # before the forward: last step's gradients do not sit beside its activations
     with torch.autocast(batch.ids.device.type, dtype=torch.bfloat16, enabled=bf16):
         loss, stats = model(head, batch, steps, kept, weights, denominators)
@@ -332,136 +332,167 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     extract_dir = plan.dir("extract")
     manifest = load_manifest_checked(extract_dir, cfg)
     target_path = Path(plan.target_dir)
-    tok_hash = tokenizer_hash(target_path)
-    if manifest["tokenizer_hash"] != tok_hash:
-        raise ArtifactError(
-            f"{extract_dir}/manifest.json: tokenizer_hash {manifest['tokenizer_hash']} differs from the target's "
-            f"tokenizer at {target_path} ({tok_hash}); the extracted token ids do not mean the same tokens. Re-extract."
-        )
+    _check_tokenizer(extract_dir, manifest, target_path)
     if tc.from_draft is not None:
         return import_draft(cfg, plan, manifest, target_path) if compute.is_main else {}
     verify_shards(extract_dir, manifest, compute)
     train_seqs = load_split(extract_dir, manifest, "train", list(tc.layers), verify=False)
     val_seqs = load_split(extract_dir, manifest, "val", list(tc.layers), verify=False)
     draft, head = build_draft(cfg, target_path, extract_dir, manifest)
-    draft.to(compute.device)
-    head.to(compute.device)
-    kept = draft.to_target_ids(torch.arange(draft.shape.draft_vocab_size, device=compute.device))
-    steps = tc.ttt_steps
-    weights = [tc.step_weight_decay**k for k in range(steps)]
-    per_epoch = math.ceil(len(train_seqs) / tc.batch_size)
-    total = tc.max_steps or tc.epochs * per_epoch
-    params = [p for p in draft.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=tc.lr, betas=(tc.beta1, tc.beta2), weight_decay=tc.weight_decay)
-    bf16 = compute.dtype == torch.bfloat16  # autocast; the weights and the optimizer stay float32
-
-    ckpt_path = out / "checkpoints" / "latest.pt"
-    step, history = 0, []
-    if ckpt_path.exists():  # every rank resumes from rank 0's last checkpoint, whatever the world size was then
-        state = torch.load(ckpt_path, weights_only=False, map_location=compute.device)
-        draft.load_state_dict(state["model"])
-        optim.load_state_dict(state["optim"])
-        step, history = state["step"], state["history"]
-        print(f"[train] resumed from {ckpt_path} at step {step}/{total}")
-    draft_steps = cfg.serve.num_steps
-    model = TrainStep(draft)
-    if compute.distributed:
-        model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[compute.device] if compute.device.type == "cuda" else None, broadcast_buffers=False
-        )
+    loop = _Loop(cfg, compute, draft, head, out / "checkpoints" / "latest.pt")
     # a layer search's pruner may stop the trial (asked by rank 0 alone, its answer shared); else a no-op
     report_to_search = pruning.reporter(plan) if compute.is_main else (lambda _step, _val: None)
-
-    def save_checkpoint() -> None:
-        if compute.is_main:
-            with atomic_path(ckpt_path) as tmp:
-                torch.save(
-                    {"model": draft.state_dict(), "optim": optim.state_dict(), "step": step, "history": history}, tmp
-                )
-
-    def validate() -> dict[str, float]:
-        return evaluate(draft, head, val_seqs, steps, kept, weights, tc.batch_size, draft_steps, compute)
-
-    draft.train()
-    tokens, window_started = 0, time.time()
-    bar = tqdm(
-        total=total,
-        initial=step,
-        desc="train" + (f" (rank {compute.rank}/{compute.world_size})" if compute.distributed else ""),
-        unit="step",
-    )
-
-    def load_batch(at: int) -> tuple[Batch, bool]:
-        share, counts = rank_share(step_indices(len(train_seqs), tc.batch_size, tc.seed, at), compute)
-        batch = collate(train_seqs.take(share))
-        if not counts:
-            batch.loss_mask.zero_()
-        return batch, counts
-
-    # Bounded prefetch: one batch is read from the shards and collated while the step before it computes.
-    prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
-    upcoming = prefetch.submit(load_batch, step) if step < total else None
-    while step < total:
-        host_batch, counts = upcoming.result()
-        upcoming = prefetch.submit(load_batch, step + 1) if step + 1 < total else None
-        batch = host_batch.to(compute.device)  # the counts below come from the host copy: no wait on the device
-        denominators = compute.all_reduce_sum(step_counts(host_batch, steps)).clamp(min=1) / compute.world_size
-        for group in optim.param_groups:
-            group["lr"] = lr_at(step, total, tc)
-        loss, stats = optimizer_step(
-            model, head, batch, steps, kept, weights, denominators.to(compute.device), optim, params, tc.grad_clip, bf16
-        )
-        step += 1
-        tokens += int(host_batch.lengths.sum()) if counts else 0
-        bar.update(1)
-        if step % tc.log_every == 0 or step == total:
-            # the step's loss and teacher-forced counts, and the window's tokens, summed over ranks: the global batch's
-            summed = compute.all_reduce_sum(
-                torch.cat(
-                    [
-                        torch.tensor([float(loss.detach()) / compute.world_size, tokens], dtype=torch.float64),
-                        stats.cpu().flatten(),
-                    ]
-                )
-            )
-            elapsed = time.time() - window_started
-            last = counts_dict(summed[2:].view(len(COUNT_ROWS), steps))
-            teacher_forced = summarize([last], steps, draft_steps)
-            if compute.is_main:
-                tracker.train_step(
-                    step,
-                    float(summed[0]),
-                    optim.param_groups[0]["lr"],
-                    float(summed[1]) / max(elapsed, 1e-9),
-                    teacher_forced,
-                )
-            bar.set_postfix(loss=f"{float(summed[0]):.3f}", acc0=f"{teacher_forced['acc_0']:.2f}")
-            tokens, window_started = 0, time.time()
-        if step % tc.val_every == 0 or step == total:
-            val = validate()
-            history.append({"step": step} | val)
-            if compute.is_main:
-                tracker.train_validation(step, val)
-            pruned = report_to_search(step, val)
-            if compute.all_reduce_max(torch.tensor([float(pruned is not None)]))[0]:
-                raise pruning.TrialPruned(pruned or "pruned by the study (rank 0's decision)")
-        if step % tc.checkpoint_every == 0 or step == total:
-            save_checkpoint()
-    bar.close()
-    prefetch.shutdown()
-
-    final = history[-1] if history else validate()
+    history = loop.run(train_seqs, val_seqs, tracker, report_to_search)
+    final = history[-1] if history else loop.validate(val_seqs)
     if not compute.is_main:
         return {}
-    result = export_draft(cfg, plan, draft, manifest, target_path, final, steps)
+    result = export_draft(cfg, plan, draft, manifest, target_path, final, tc.ttt_steps)
     result["compute"] = compute.describe()
     write_json(out / "metrics.json", {"history": history, "final": final})
-    plot = plot_accuracy(final, steps, out / "accuracy_by_position.png")
+    plot = plot_accuracy(final, tc.ttt_steps, out / "accuracy_by_position.png")
     tracker.artifact(plot, "train")
     write_manifest(
         out, {"stage": "train", "key": plan.stage_keys["train"], "extract_key": manifest["key"], "result": result}
     )
     return result
+
+
+def _check_tokenizer(extract_dir: Path, manifest: dict[str, Any], target_path: Path) -> None:
+    """The extracted token ids mean the target tokenizer's tokens: its hash is the one extraction recorded."""
+    tok_hash = tokenizer_hash(target_path)
+    if manifest["tokenizer_hash"] != tok_hash:
+        raise ArtifactError(
+            f"{extract_dir}/manifest.json: tokenizer_hash {manifest['tokenizer_hash']} differs from the target's "
+            f"tokenizer at {target_path} ({tok_hash}); the extracted token ids do not mean the same tokens. Re-extract."
+        )
+
+
+class _Loop:
+    """The training loop on one rank: the draft and its optimizer, resumed from rank 0's last checkpoint (whatever
+    the world size was then), the global steps in `step_indices`' order, a validation and a checkpoint every so
+    many steps, each step's loss and counts logged summed over the ranks."""
+
+    def __init__(self, cfg: RootConfig, compute: Compute, draft: Eagle3Draft, head: TeacherHead, ckpt_path: Path):
+        tc = self.tc = cfg.train
+        self.compute, self.draft, self.head, self.ckpt_path = compute, draft, head, ckpt_path
+        draft.to(compute.device)
+        head.to(compute.device)
+        self.kept = draft.to_target_ids(torch.arange(draft.shape.draft_vocab_size, device=compute.device))
+        self.steps = tc.ttt_steps
+        self.weights = [tc.step_weight_decay**k for k in range(self.steps)]
+        self.draft_steps = cfg.serve.num_steps
+        self.params = [p for p in draft.parameters() if p.requires_grad]
+        self.optim = torch.optim.AdamW(self.params, lr=tc.lr, betas=(tc.beta1, tc.beta2), weight_decay=tc.weight_decay)
+        self.bf16 = compute.dtype == torch.bfloat16  # autocast; the weights and the optimizer stay float32
+        self.step, self.history = 0, []
+
+    def resume(self, total: int) -> None:
+        if self.ckpt_path.exists():  # every rank resumes from rank 0's last checkpoint, whatever its world size
+            state = torch.load(self.ckpt_path, weights_only=False, map_location=self.compute.device)
+            self.draft.load_state_dict(state["model"])
+            self.optim.load_state_dict(state["optim"])
+            self.step, self.history = state["step"], state["history"]
+            print(f"[train] resumed from {self.ckpt_path} at step {self.step}/{total}")
+
+    def save_checkpoint(self) -> None:
+        if self.compute.is_main:
+            state = {
+                "model": self.draft.state_dict(),
+                "optim": self.optim.state_dict(),
+                "step": self.step,
+                "history": self.history,
+            }
+            with atomic_path(self.ckpt_path) as tmp:
+                torch.save(state, tmp)
+
+    def validate(self, val_seqs: StateSource) -> dict[str, float]:
+        return evaluate(
+            self.draft, self.head, val_seqs, self.steps, self.kept, self.weights, self.tc.batch_size,
+            self.draft_steps, self.compute,
+        )  # fmt: skip
+
+    def run(self, train_seqs: StateSource, val_seqs: StateSource, tracker, report_to_search) -> list[dict]:
+        """Trains to the last step; returns the validation history. `report_to_search(step, val)` may stop a
+        layer search's trial after a validation."""
+        tc, compute = self.tc, self.compute
+        total = tc.max_steps or tc.epochs * math.ceil(len(train_seqs) / tc.batch_size)
+        self.resume(total)
+        model = TrainStep(self.draft)
+        if compute.distributed:
+            model = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[compute.device] if compute.device.type == "cuda" else None, broadcast_buffers=False
+            )
+        self.draft.train()
+        tokens, window_started = 0, time.time()
+        bar = tqdm(
+            total=total,
+            initial=self.step,
+            desc="train" + (f" (rank {compute.rank}/{compute.world_size})" if compute.distributed else ""),
+            unit="step",
+        )
+
+        def load_batch(at: int) -> tuple[Batch, bool]:
+            share, counts = rank_share(step_indices(len(train_seqs), tc.batch_size, tc.seed, at), compute)
+            batch = collate(train_seqs.take(share))
+            if not counts:
+                batch.loss_mask.zero_()
+            return batch, counts
+
+        # Bounded prefetch: one batch is read from the shards and collated while the step before it computes.
+        prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        upcoming = prefetch.submit(load_batch, self.step) if self.step < total else None
+        while self.step < total:
+            host_batch, counts = upcoming.result()
+            upcoming = prefetch.submit(load_batch, self.step + 1) if self.step + 1 < total else None
+            batch = host_batch.to(compute.device)  # the counts below come from the host copy: no wait on the device
+            denominators = compute.all_reduce_sum(step_counts(host_batch, self.steps)).clamp(min=1) / compute.world_size
+            for group in self.optim.param_groups:
+                group["lr"] = lr_at(self.step, total, tc)
+            loss, stats = optimizer_step(
+                model, self.head, batch, self.steps, self.kept, self.weights, denominators.to(compute.device),
+                self.optim, self.params, tc.grad_clip, self.bf16,
+            )  # fmt: skip
+            self.step += 1
+            tokens += int(host_batch.lengths.sum()) if counts else 0
+            bar.update(1)
+            if self.step % tc.log_every == 0 or self.step == total:
+                self.log(tracker, bar, loss, stats, tokens, time.time() - window_started)
+                tokens, window_started = 0, time.time()
+            if self.step % tc.val_every == 0 or self.step == total:
+                self.validate_and_report(val_seqs, tracker, report_to_search)
+            if self.step % tc.checkpoint_every == 0 or self.step == total:
+                self.save_checkpoint()
+        bar.close()
+        prefetch.shutdown()
+        return self.history
+
+    def log(self, tracker, bar, loss: torch.Tensor, stats: torch.Tensor, tokens: int, elapsed: float) -> None:
+        """The step's loss and teacher-forced counts, and the window's tokens, summed over ranks: the global
+        batch's."""
+        compute = self.compute
+        summed = compute.all_reduce_sum(
+            torch.cat(
+                [
+                    torch.tensor([float(loss.detach()) / compute.world_size, tokens], dtype=torch.float64),
+                    stats.cpu().flatten(),
+                ]
+            )
+        )
+        last = counts_dict(summed[2:].view(len(COUNT_ROWS), self.steps))
+        teacher_forced = summarize([last], self.steps, self.draft_steps)
+        if compute.is_main:
+            lr = self.optim.param_groups[0]["lr"]
+            tracker.train_step(self.step, float(summed[0]), lr, float(summed[1]) / max(elapsed, 1e-9), teacher_forced)
+        bar.set_postfix(loss=f"{float(summed[0]):.3f}", acc0=f"{teacher_forced['acc_0']:.2f}")
+
+    def validate_and_report(self, val_seqs: StateSource, tracker, report_to_search) -> None:
+        val = self.validate(val_seqs)
+        self.history.append({"step": self.step} | val)
+        if self.compute.is_main:
+            tracker.train_validation(self.step, val)
+        pruned = report_to_search(self.step, val)
+        if self.compute.all_reduce_max(torch.tensor([float(pruned is not None)]))[0]:
+            raise pruning.TrialPruned(pruned or "pruned by the study (rank 0's decision)")
 
 
 def export_draft(

@@ -2,8 +2,8 @@
 
 Start one with::
 
-    bash scripts/slurm_cluster.sh install
-    eval "$(bash scripts/slurm_cluster.sh start)"   # exports SLURM_CONF
+    bash tests/infra/slurm_cluster.sh install
+    eval "$(bash tests/infra/slurm_cluster.sh start)"   # exports SLURM_CONF
     .venv/bin/python -m pytest -m slurm tests/slurm
 
 Skipped unless ``SLURM_CONF`` is set and ``sinfo`` answers.
@@ -25,7 +25,7 @@ cloudpickle = pytest.importorskip("cloudpickle")
 
 def _slurm_available() -> tuple[bool, str]:
     if not os.environ.get("SLURM_CONF"):
-        return False, "SLURM_CONF is not set (start a cluster with scripts/slurm_cluster.sh start)"
+        return False, "SLURM_CONF is not set (start a cluster with tests/infra/slurm_cluster.sh start)"
     if shutil.which("sinfo") is None:
         return False, "sinfo is not on PATH"
     try:

@@ -1,4 +1,4 @@
-"""The pipeline on a real single-node Slurm cluster (scripts/slurm_cluster.sh): dependent stage jobs, sweeps
+"""The pipeline on a real single-node Slurm cluster (tests/infra/slurm_cluster.sh): dependent stage jobs, sweeps
 that fan out under one MLflow parent run, caching across runs, failure isolation, and requeue on SIGUSR2.
 
 Skipped unless SLURM_CONF points at a running cluster (scripts/test.sh starts one)."""
@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 pytestmark = pytest.mark.slurm
 
 if not os.environ.get("SLURM_CONF") or shutil.which("sbatch") is None:
-    pytest.skip("no Slurm cluster (start one with scripts/slurm_cluster.sh start)", allow_module_level=True)
+    pytest.skip("no Slurm cluster (start one with tests/infra/slurm_cluster.sh start)", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import FAST, copy_cache  # noqa: E402

@@ -1,7 +1,7 @@
 """Imported at start-up by every Python process that has this folder on PYTHONPATH (tests/test_distributed.py
 puts it there for a two-rank run). In a submitit task, it records each write its process makes under
 $WRITE_AUDIT_ROOT, through Python's audit events (PEP 578), one line per write, into
-$WRITE_AUDIT_LOG/rank<rank>.<pid>.txt: so a test can say which rank wrote what."""
+$WRITE_AUDIT_LOG/rank<rank>.<job id>.<pid>.txt: so a test can say which rank of which job wrote what."""
 
 import os
 import sys
@@ -9,7 +9,8 @@ import sys
 _root = os.environ.get("WRITE_AUDIT_ROOT")
 _rank = os.environ.get("SUBMITIT_LOCAL_GLOBALID")
 if _root and _rank is not None:
-    _log = open(os.path.join(os.environ["WRITE_AUDIT_LOG"], f"rank{_rank}.{os.getpid()}.txt"), "a", buffering=1)
+    _job = os.environ.get("SUBMITIT_LOCAL_JOB_ID", "nojob")
+    _log = open(os.path.join(os.environ["WRITE_AUDIT_LOG"], f"rank{_rank}.{_job}.{os.getpid()}.txt"), "a", buffering=1)
     _write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
     def _record(event, args):

@@ -1,6 +1,6 @@
 """Training throughput against data-loader throughput on the tiny target, as a ratio measured in one run.
 
-    .venv/bin/python scripts/bench_train.py [hydra overrides...]
+    .venv/bin/python benchmarks/bench_train.py [hydra overrides...]
 
 Extracts (or reuses) the tiny experiment's shards, then times (a) the loader alone: reading and collating
 batches exactly as the trainer does, and (b) full training steps (forward, TTT unroll, backward, AdamW).

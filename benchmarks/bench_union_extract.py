@@ -1,6 +1,6 @@
 """Time saved by extracting a layer sweep's union once (extract.extra_layers) instead of once per point.
 
-    .venv/bin/python scripts/bench_union_extract.py [hydra overrides...]
+    .venv/bin/python benchmarks/bench_union_extract.py [hydra overrides...]
 
 Runs, in one process and on the same tiny target: (a) one extraction per sweep point, (b) one extraction of
 the union with every point's training reading its subset. Prints both wall times and the ratio.

@@ -1,6 +1,6 @@
 """The tiny demo's states captured by vLLM beside HF's: docs/engines.md's figures for `extract.engine=vllm`.
 
-    .venv/bin/python scripts/vllm_extract_demo.py
+    .venv/bin/python examples/vllm_extract_demo.py
 
 Runs `+experiment=tiny_eagle3` with regeneration off (both engines then see the same sequences: the data set's
 responses) and `stages=[extract,train,eval]` twice in a fresh outputs folder (reusing a tiny target built before

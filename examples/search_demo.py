@@ -1,6 +1,6 @@
 """The layer-search demo, timed, and the figures docs/experiments.md quotes.
 
-    .venv/bin/python scripts/search_demo.py [hydra overrides...]
+    .venv/bin/python examples/search_demo.py [hydra overrides...]
 
 Runs `python -m orchestrator +experiment=tiny_layer_search` (a fresh study in a fresh outputs folder, reusing a
 tiny target built before when one is there), then prints the wall time, the trials by state, the baseline's

@@ -1,8 +1,8 @@
 """The project's training step against SpecForge's, on one GPU, at the Kimi draft shape.
 
-    python scripts/bench_train_gpu.py --json bench_train_gpu.json          # one GPU: seq 2048 and 8192
-    python scripts/bench_train_gpu.py --device cpu --shape tiny --seqs 64 --steps 2 --warmup 1   # CI smoke run
-    python scripts/bench_train_gpu.py --device cpu --estimate-memory --steps 0   # Kimi's peak memory, no GPU
+    python benchmarks/bench_train_gpu.py --json bench_train_gpu.json          # one GPU: seq 2048 and 8192
+    python benchmarks/bench_train_gpu.py --device cpu --shape tiny --seqs 64 --steps 2 --warmup 1   # CI smoke run
+    python benchmarks/bench_train_gpu.py --device cpu --estimate-memory --steps 0   # Kimi's peak memory, no GPU
 
 In one process, on synthetic data (batch 1; random aux states [1, L, 3H] and teacher states [1, L, H], loss mask
 all ones), it times per sequence length:
@@ -633,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     except metadata.PackageNotFoundError:
         specforge_version = None
     result = {
-        "benchmark": "scripts/bench_train_gpu.py",
+        "benchmark": "benchmarks/bench_train_gpu.py",
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,

@@ -1,6 +1,6 @@
 """The tiny demo under a published chat template, beside the project's own: docs/data.md's table.
 
-    .venv/bin/python scripts/template_demo.py [--template tests/data/chat_templates/<file>.jinja]
+    .venv/bin/python examples/template_demo.py [--template tests/data/chat_templates/<file>.jinja]
 
 Writes the demo's stdlib conversations to a JSON Lines file, then runs `+experiment=tiny_eagle3` on it with
 `data=jsonl` and regeneration off (the draft learns the data set's assistant turns, under the template's mask),

@@ -1,6 +1,6 @@
 """The seed's story replayed on the tiny target: a draft trained on one layer set, served with another.
 
-    .venv/bin/python scripts/seed_replay.py [hydra overrides...]
+    .venv/bin/python examples/seed_replay.py [hydra overrides...]
 
 Served by the demo's engine: vLLM where scripts/make_vllm_env.sh built its environment (each draft given vLLM's
 ids), else the reference engine; `serve=reference` picks the latter.

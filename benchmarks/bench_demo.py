@@ -1,7 +1,7 @@
 """The README's demo timed cold and warm in one run: where a user's first and second `python -m orchestrator
 +experiment=tiny_eagle3` spend their time.
 
-    .venv/bin/python scripts/bench_demo.py [hydra overrides...]
+    .venv/bin/python benchmarks/bench_demo.py [hydra overrides...]
 
 Cold: a fresh outputs folder (no tiny target, no cache, no MLflow store), with the environments already built (the
 README's first command installs them first; their time is pip's). Warm: the same command again on that folder,

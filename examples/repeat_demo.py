@@ -1,6 +1,6 @@
 """The demo run N times: the spread of every figure the README and docs/measurements.md quote, as min / median / max.
 
-    .venv/bin/python scripts/repeat_demo.py [--runs 5] [hydra overrides...]
+    .venv/bin/python examples/repeat_demo.py [--runs 5] [hydra overrides...]
 
 The first run builds (or reuses) the target, the extraction, the draft and eval's result; every run then serves
 anew (serve.force=true), so the spread is that of the serve benchmark (timing noise). Also prints the engine that
