@@ -16,14 +16,13 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from orchestrator import engines
+from orchestrator import engines, families
 from orchestrator import layers as layer_contract
 
 # `${project_root:}`: the checkout's root, where scripts/make_vllm_env.sh builds vLLM's environment by default
 OmegaConf.register_new_resolver("project_root", lambda: str(Path(__file__).resolve().parents[1]), replace=True)
 
 STAGES = ("extract", "train", "eval", "serve")
-FAMILIES = ("llama", "deepseek_v3", "kimi_k25")
 CLUSTERS = ("local", "debug", "slurm")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SETS = ("stdlib_chat", "jsonl", "hf")
@@ -393,7 +392,7 @@ def validate(cfg: RootConfig) -> None:
             raise ConfigError(message)
 
     t = cfg.target
-    check(t.family in FAMILIES, f"target.family={t.family!r}: expected one of {FAMILIES}")
+    check(t.family in families.FAMILIES, f"target.family={t.family!r}: expected one of {families.names()}")
     check(t.num_hidden_layers >= 2, f"target.num_hidden_layers={t.num_hidden_layers}: expected >= 2")
     check(
         t.path is not None or t.tiny is not None, f"target {t.name!r}: set target.path (an HF model dir) or target.tiny"

@@ -176,8 +176,6 @@ SGLANG_FIRST_ID_SINCE = (0, 5, 13)
 # since 0.5.17; a family with no rule here is refused.)
 SGLANG_CHECKED_UNTIL = (0, 5, 23)
 
-SGLANG_FAMILIES = ("llama", "deepseek_v3", "kimi_k25")
-
 
 def parse_version(version: str) -> tuple[int, ...]:
     try:

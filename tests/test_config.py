@@ -199,3 +199,21 @@ def test_kimi_without_user_data_fails_naming_data():
         load(raw)
     cfg = compose_root(["+experiment=kimi_eagle3"])
     assert cfg.data.name == "jsonl" and cfg.data.regenerate.enabled and cfg.data.regenerate.engine == "server"
+
+
+def test_a_family_added_as_one_entry_is_accepted_and_each_engine_applies_its_loops_rule(monkeypatch, tmp_path):
+    """A target family is one entry of orchestrator/families.py: with it, the config accepts the family, and each
+    engine reads its ids by the rule of the capture loop the entry names, with no other edit."""
+    from orchestrator import engines, families
+    from orchestrator import layers as layer_contract
+
+    with pytest.raises(ConfigError, match=r"target.family='mistral': expected one of \('llama', 'deepseek_v3'"):
+        compose_root(["+experiment=tiny_eagle3", "target.family=mistral"])
+    monkeypatch.setitem(families.FAMILIES, "mistral", families.Family("mistral", "MistralForCausalLM", "llama"))
+    cfg = compose_root(["+experiment=tiny_eagle3", "target.family=mistral"])
+    assert make_plan(cfg, tmp_path / "run").stages[-1]["layer_ids"]["captures_canonical"] == list(cfg.aux_layers)
+    assert engines.get("sglang").id_rule("mistral", "0.5.23") is layer_contract.SGLANG_SHIFT
+    assert engines.get("vllm").id_rule("mistral", "0.32.0") is layer_contract.VLLM_ENTERING
+    monkeypatch.setitem(families.FAMILIES, "mistral", families.Family("mistral", "MistralForCausalLM", "deepseek"))
+    assert engines.get("sglang").id_rule("mistral", "0.5.23") is layer_contract.SGLANG_FIRST_ID
+    assert engines.get("vllm").id_rule("mistral", "0.32.0") is layer_contract.VLLM_DEEPSEEK

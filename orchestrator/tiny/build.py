@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from orchestrator import wrappers
+from orchestrator import families, wrappers
 
 from . import kimi_k25
 from .corpus import Conversation, corpus_fingerprint, stdlib_conversations
@@ -86,9 +86,10 @@ PUBLISHED_TEMPLATES = {
 TEMPLATES_DIR = Path(__file__).with_name("templates")
 
 REPORT_NAME = "build_report.json"
-ARCHS = ("llama", "deepseek_v3", "kimi_k25")
+# a tiny target's arch is its family (orchestrator/families.py)
+ARCHS = families.names()
 # arch -> the multimodal wrapper its checkpoint is saved in
-WRAPPED = {"kimi_k25": wrappers.KIMI_K25}
+WRAPPED = {name: wrappers.WRAPPERS[f.wrapper] for name, f in families.FAMILIES.items() if f.wrapper}
 
 # Every key a build reads; the values live in conf/target/tiny_*.yaml (`target.tiny`).
 TRAIN_KEYS = (
@@ -206,7 +207,10 @@ def _make_config(arch: str, model: dict, tokenizer) -> Any:
     kwargs = {**ids, "vocab_size": len(tokenizer), **copy.deepcopy(model)}
     if kwargs["vocab_size"] < len(tokenizer):
         raise ValueError(f"model vocab_size {kwargs['vocab_size']} < tokenizer size {len(tokenizer)}")
-    cls = LlamaConfig if arch == "llama" else DeepseekV3Config  # kimi_k25: its text model is DeepSeek-V3
+    # the family's text model (kimi_k25's is DeepSeek-V3)
+    cls = {"LlamaForCausalLM": LlamaConfig, "DeepseekV3ForCausalLM": DeepseekV3Config}[
+        families.FAMILIES[arch].text_architecture
+    ]
     return cls(**kwargs)
 
 

@@ -4,6 +4,7 @@ orchestrator/engines/sglang/cli.py's; stock SGLang returns only the last layer's
 
 from __future__ import annotations
 
+from orchestrator import families
 from orchestrator import layers as layer_contract
 from orchestrator.engines import SERVE, Engine, client
 from orchestrator.engines.sglang import cli
@@ -13,9 +14,9 @@ from orchestrator.layers import IdRule, LayerContractError
 def sglang_rule(family: str, version: str | None) -> IdRule:
     """SGLang's id rule for a model family at a version: the Llama loop shifts every id by one; the DeepSeek/Kimi
     loop shifts only when the first id is 1 since PR #25454 (sglang 0.5.13)."""
-    if family not in layer_contract.SGLANG_FAMILIES:
+    if family not in families.FAMILIES:
         raise LayerContractError(
-            f"no SGLang layer-id rule recorded for model family {family!r}; known: {layer_contract.SGLANG_FAMILIES}"
+            f"no SGLang layer-id rule recorded for model family {family!r}; known: {families.names()}"
         )
     if version is not None and layer_contract.parse_version(version)[:3] > layer_contract.SGLANG_CHECKED_UNTIL:
         read = ".".join(map(str, layer_contract.SGLANG_CHECKED_UNTIL))
@@ -23,7 +24,7 @@ def sglang_rule(family: str, version: str | None) -> IdRule:
             f"no SGLang layer-id rule recorded for version {version} (its model code was read up to {read}); serve "
             f"with sglang {read}, or record the new version's rule in orchestrator/layers.py from its model code"
         )
-    if family == "llama":
+    if families.FAMILIES[family].decoder_loop == "llama":
         return layer_contract.SGLANG_SHIFT
     if version is None:
         raise LayerContractError(f"SGLang's id rule for {family} depends on the version; set serve.sglang_version")
@@ -37,7 +38,7 @@ def sglang_rule(family: str, version: str | None) -> IdRule:
 
 def sglang_rule_versions(family: str, version: str) -> dict[str, str]:
     """The pinned version, and for the DeepSeek/Kimi family the releases before PR #25454, whose rule differs."""
-    if family == "llama":
+    if families.FAMILIES[family].decoder_loop == "llama":
         return {version: version}
     major, minor, patch = layer_contract.SGLANG_FIRST_ID_SINCE
     return {version: version, f"< {major}.{minor}.{patch}": f"{major}.{minor}.{patch - 1}"}

@@ -4,6 +4,7 @@ capture asks its extractor for. The adapter (orchestrator/engines/vllm/__init__.
 
 from __future__ import annotations
 
+from orchestrator import families
 from orchestrator import layers as layer_contract
 from orchestrator.layers import IdRule, LayerContractError
 
@@ -18,11 +19,11 @@ def vllm_rule(family: str, version: str | None) -> IdRule:
             f"set serve.vllm_version={checked}.0 and serve with that version, or record the new version's rule "
             "in orchestrator/layers.py from its model code"
         )
-    if family not in layer_contract.SGLANG_FAMILIES:
-        raise LayerContractError(
-            f"no vLLM layer-id rule recorded for model family {family!r}; known: {layer_contract.SGLANG_FAMILIES}"
-        )
-    return layer_contract.VLLM_ENTERING if family == "llama" else layer_contract.VLLM_DEEPSEEK
+    if family not in families.FAMILIES:
+        known = families.names()
+        raise LayerContractError(f"no vLLM layer-id rule recorded for model family {family!r}; known: {known}")
+    llama_loop = families.FAMILIES[family].decoder_loop == "llama"
+    return layer_contract.VLLM_ENTERING if llama_loop else layer_contract.VLLM_DEEPSEEK
 
 
 def vllm_config_ids(conf: dict, num_layers: int) -> list[tuple[str, str, list[int]]]:

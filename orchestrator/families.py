@@ -1,0 +1,39 @@
+"""One spec per target family, torchtitan's `ModelSpec` way: what the project needs to know of a family, in one
+entry. Adding a family is one entry here (and its rules in each engine, if its capture loop is a new one).
+
+    text_architecture  the transformers class of its text model (a tiny target of the family is built as one)
+    decoder_loop       whose capture loop the serving engines run for it: "llama" (SGLang's llama.py, vLLM's
+                       llama.py) or "deepseek" (their deepseek_v2.py); each engine's id rule is the loop's
+                       (orchestrator/engines/sglang, orchestrator/engines/vllm/ids.py)
+    wrapper            the multimodal architecture its checkpoint is saved in (orchestrator/wrappers.py), whose
+                       text model's weights carry a prefix; None for a plain causal LM
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOOPS = ("llama", "deepseek")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    text_architecture: str
+    decoder_loop: str
+    wrapper: str | None = None
+
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("llama", "LlamaForCausalLM", "llama"),
+        Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek"),
+        # Kimi-K2.5: a DeepSeek-V3 text model under `language_model.` in KimiK25ForConditionalGeneration
+        Family("kimi_k25", "DeepseekV3ForCausalLM", "deepseek", wrapper="KimiK25ForConditionalGeneration"),
+    )
+}
+
+
+def names() -> tuple[str, ...]:
+    return tuple(FAMILIES)
