@@ -184,16 +184,6 @@ def parse_version(version: str) -> tuple[int, ...]:
         raise LayerContractError(f"version {version!r} is not of the form X.Y.Z") from exc
 
 
-def engine_rule(engine: str, family: str, version: str | None) -> IdRule:
-    """The id rule an engine applies to a model family at a version: the engine's own (`orchestrator.engines`)."""
-    from orchestrator import engines
-
-    try:
-        return engines.get(engine).id_rule(family, version)
-    except engines.EngineError as exc:
-        raise LayerContractError(str(exc)) from None
-
-
 def captured_layers(rule: IdRule, ids: Sequence[int], num_layers: int) -> list[int]:
     """Canonical states an engine captures for `ids`, in the order it concatenates them (ascending)."""
     return sorted({k for k in rule.decode(list(ids), num_layers) if k is not None})
@@ -228,38 +218,3 @@ def _why_not(rule: IdRule, layers: list[int], num_layers: int, candidates: list[
         f"{rule.name} cannot capture {layers} ({', '.join(describe(k) for k in layers)}) on a {num_layers}-layer "
         f"target: {tried}.{hint} (rule: {rule.source})"
     )
-
-
-def to_sglang_ids(layers: Sequence[int], num_layers: int, family: str, version: str) -> list[int]:
-    """Ids for the draft config's `eagle_config.eagle_aux_hidden_state_layer_ids`."""
-    return encode(engine_rule("sglang", family, version), layers, num_layers)
-
-
-def from_sglang_ids(ids: Sequence[int], num_layers: int, family: str, version: str) -> list[int]:
-    """Canonical states SGLang captures for a draft config's ids (possibly fewer than given)."""
-    return captured_layers(engine_rule("sglang", family, version), ids, num_layers)
-
-
-def to_vllm_ids(layers: Sequence[int], num_layers: int, family: str = "llama", version: str = "0.32.0") -> list[int]:
-    return encode(engine_rule("vllm", family, version), layers, num_layers)
-
-
-def from_vllm_ids(ids: Sequence[int], num_layers: int, family: str = "llama", version: str = "0.32.0") -> list[int]:
-    return captured_layers(engine_rule("vllm", family, version), ids, num_layers)
-
-
-def id_convention(engine: str) -> str:
-    """The engine whose id convention a draft config for `engine` is written in (the reference engine reads
-    SGLang's): two drafts for engines of one convention are interchangeable, of two conventions they are not."""
-    from orchestrator import engines
-
-    return engines.get(engine).convention or engine
-
-
-def to_engine_ids(engine: str, layers: Sequence[int], num_layers: int, family: str, version: str | None) -> list[int]:
-    """The ids a serving engine's draft config must carry, in that engine's rule."""
-    return encode(engine_rule(engine, family, version), layers, num_layers)
-
-
-def from_engine_ids(engine: str, ids: Sequence[int], num_layers: int, family: str, version: str | None) -> list[int]:
-    return captured_layers(engine_rule(engine, family, version), ids, num_layers)

@@ -19,7 +19,6 @@ from omegaconf import OmegaConf
 
 from orchestrator import compute as compute_mod
 from orchestrator import engines, preflight, runner, tracking
-from orchestrator import layers as layer_contract
 from orchestrator.artifacts import CODE_VERSION, MANIFEST, file_sha256, stable_hash, write_json
 from orchestrator.config import (
     RootConfig,
@@ -113,7 +112,7 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     )
     # Eval runs the draft as serve.engine reads it: that engine's id rule and a deliberate serve.layers decide the
     # states it is fed; the rest of serve (its prompts, its servers) decides nothing eval computes.
-    served = {"engine": cfg.serve.engine, "id_rules": cfg.serve.id_rules, "layers": list(cfg.serve.layers)}
+    served = {"engine": cfg.serve.engine, "id_rules": engines.id_rules(cfg.serve), "layers": list(cfg.serve.layers)}
     keys["eval"] = stable_hash(
         {"train": keys["train"], "eval": _subtree(cfg, "eval"), "served": served, "code": CODE_VERSION["eval"]}
     )
@@ -139,7 +138,7 @@ def stage_layer_ids(cfg: RootConfig, stage: str) -> dict[str, Any]:
         return engines.get(cfg.extract.engine, engines.CAPTURE).capture_ids(cfg, captured_layers(cfg))
     if stage == "train":
         return {"convention": "canonical", "aux_layers": list(cfg.train.layers)}
-    engine = f"{cfg.serve.engine} ({cfg.serve.id_rules} rules, family {cfg.target.family})"
+    engine = f"{cfg.serve.engine} ({engines.id_rules(cfg.serve)} rules, family {cfg.target.family})"
     if stage == "eval":
         return {
             "convention": "draft config ids, read as serving reads them",
@@ -150,8 +149,8 @@ def stage_layer_ids(cfg: RootConfig, stage: str) -> dict[str, Any]:
     return {
         "convention": engine,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
-        "captures_canonical": layer_contract.from_engine_ids(
-            cfg.serve.engine, ids, n, cfg.target.family, cfg.serve.engine_version
+        "captures_canonical": engines.from_engine_ids(
+            cfg.serve.engine, ids, n, cfg.target.family, engines.engine_version(cfg.serve)
         ),
     }
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orchestrator import engines
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import MANIFEST, read_json
 from orchestrator.compute import resolve_precision
@@ -57,14 +58,14 @@ class PreflightError(ValueError):
 def serve_ids(cfg: RootConfig, layers: list[int]) -> list[int]:
     """The draft-config ids that make the configured serving engine capture canonical `layers`."""
     t, s = cfg.target, cfg.serve
-    return layer_contract.to_engine_ids(s.engine, layers, t.num_hidden_layers, t.family, s.engine_version)
+    return engines.to_engine_ids(s.engine, layers, t.num_hidden_layers, t.family, engines.engine_version(s))
 
 
 def config_findings(cfg: RootConfig) -> list[Finding]:
     t, s = cfg.target, cfg.serve
     out: list[Finding] = []
     n = t.num_hidden_layers
-    rule = f"{s.engine} / {t.family} / {s.id_rules}"
+    rule = f"{s.engine} / {t.family} / {engines.id_rules(s)}"
     try:
         ids = serve_ids(cfg, list(cfg.aux_layers))
         out.append(Finding("layer ids", True, f"aux_layers={cfg.aux_layers} -> draft config ids {ids} ({rule})"))
@@ -72,11 +73,11 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
         out.append(Finding("layer ids", False, str(exc), "choose aux_layers the serving engine can capture"))
     if list(s.layers) != list(cfg.aux_layers):
         try:
-            captured = layer_contract.from_engine_ids(
-                s.engine, serve_ids(cfg, list(s.layers)), n, t.family, s.engine_version
+            captured = engines.from_engine_ids(
+                s.engine, serve_ids(cfg, list(s.layers)), n, t.family, engines.engine_version(s)
             )
         except layer_contract.LayerContractError:
-            captured = layer_contract.from_engine_ids(s.engine, list(s.layers), n, t.family, s.engine_version)
+            captured = engines.from_engine_ids(s.engine, list(s.layers), n, t.family, engines.engine_version(s))
         out.append(
             Finding(
                 "layer ids",
@@ -486,7 +487,7 @@ def foreign_draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -
         table.add_row(r.engine, r.version, r.runner, r.source, str(list(r.ids)), fed)
     Console(width=200).print(table)
     out = [Finding("draft format", True, f"{draft_dir}: {fmt} format, no {draft_export.PROVENANCE}: trained elsewhere")]
-    if layer_contract.id_convention(s.engine) == "sglang":  # SGLang's loader, and the reference engine's
+    if engines.id_convention(s.engine) == "sglang":  # SGLang's loader, and the reference engine's
         from orchestrator.targets import target_config_json
 
         tconf = target_config_json(target_dir) if (Path(target_dir) / "config.json").exists() else None
@@ -532,7 +533,7 @@ def foreign_draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -
     expected = found if found is not None else list(cfg.aux_layers)
     whose = "the layers found" if found is not None else "aux_layers"
     for r in rows:
-        if layer_contract.id_convention(s.engine) != r.engine or r.version != s.engine_version:
+        if engines.id_convention(s.engine) != r.engine or r.version != engines.engine_version(s):
             continue
         ok = r.layers is not None and list(r.layers) == expected and not r.error
         runner = "" if r.runner == "-" else f" ({r.runner})"

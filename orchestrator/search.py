@@ -32,8 +32,8 @@ from typing import Any, Iterator, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from orchestrator import engines, preflight, pruning, runner, tracking
 from orchestrator import layers as layer_contract
-from orchestrator import preflight, pruning, runner, tracking
 from orchestrator.artifacts import stable_hash, write_json
 from orchestrator.config import ConfigError, RootConfig, extract_storage, load
 
@@ -45,7 +45,7 @@ IN_FLIGHT_ASKS = 8
 
 @dataclass
 class SearchConfig:
-    """The `search` node (`conf/search/*.yaml`); values only in YAML, like every schema in `config.py`."""
+    """The `search` node (`conf/search/*.yaml`); values only in YAML, like every schema in `orchestrator/config/schema.py`."""
 
     slots: list[list[int]] = MISSING
     candidates: Optional[list[int]] = MISSING
@@ -169,7 +169,7 @@ def build_space(search: SearchConfig, base: RootConfig) -> Space:
     points, why_not = [], {}
     for point in _ascending(ranges):
         try:
-            layer_contract.to_engine_ids(s.engine, point, t.num_hidden_layers, t.family, s.engine_version)
+            engines.to_engine_ids(s.engine, point, t.num_hidden_layers, t.family, engines.engine_version(s))
             points.append(point)
         except layer_contract.LayerContractError as exc:
             why_not.setdefault(str(exc).split(":")[0], str(exc))
@@ -182,7 +182,7 @@ def build_space(search: SearchConfig, base: RootConfig) -> Space:
     for i, point in enumerate(search.baselines):
         if tuple(point) not in points:
             try:
-                layer_contract.to_engine_ids(s.engine, point, t.num_hidden_layers, t.family, s.engine_version)
+                engines.to_engine_ids(s.engine, point, t.num_hidden_layers, t.family, engines.engine_version(s))
                 why = f"outside search.slots={search.slots} (ascending, one layer per slot)"
             except layer_contract.LayerContractError as exc:
                 why = f"the serving engine ({s.engine}) cannot capture it: {exc}"

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from orchestrator import conf_dir, engines
-from orchestrator import layers as layer_contract
 from orchestrator.config import ConfigError
 from orchestrator.engines import server_command
 from orchestrator.pipeline import run_pipeline, stage_layer_ids
@@ -44,12 +43,12 @@ def test_each_engine_reads_its_own_convention_and_the_reference_engine_reads_sgl
     """The ids a draft config carries, per engine: SGLang's and the reference engine's are one convention (one
     export serves on both), vLLM's another (a draft exported for SGLang would feed vLLM other layers)."""
     layers, n = [1, 3, 5], 8
-    ids = {e: layer_contract.to_engine_ids(e, layers, n, family, "0.32.0" if e == "vllm" else "0.5.23")
+    ids = {e: engines.to_engine_ids(e, layers, n, family, "0.32.0" if e == "vllm" else "0.5.23")
            for e in engines.names(engines.SERVE)}  # fmt: skip
-    assert layer_contract.id_convention("reference") == layer_contract.id_convention("sglang") == "sglang"
-    assert layer_contract.id_convention("vllm") == "vllm"
+    assert engines.id_convention("reference") == engines.id_convention("sglang") == "sglang"
+    assert engines.id_convention("vllm") == "vllm"
     assert ids["vllm"] == [2, 4, 6]  # vLLM's id k: the state entering layer k, i.e. layer k-1's output
-    assert layer_contract.from_engine_ids("vllm", ids["sglang"], n, family, "0.32.0") != layers
+    assert engines.from_engine_ids("vllm", ids["sglang"], n, family, "0.32.0") != layers
 
 
 def test_the_reference_server_reads_a_draft_config_in_sglangs_ids(fast_cache, tiny_config, tmp_path):
@@ -67,16 +66,16 @@ def test_the_reference_server_reads_a_draft_config_in_sglangs_ids(fast_cache, ti
     plan = make_plan(cfg, tmp_path / "run")
     trained, target, n = plan.dir("train") / "draft", Path(plan.target_dir), cfg.target.num_hidden_layers
     conf = json.loads((trained / "config.json").read_text())
-    assert draft_export.nested_ids(conf) == layer_contract.to_engine_ids("sglang", cfg.aux_layers, n, "llama", "0.5.23")
+    assert draft_export.nested_ids(conf) == engines.to_engine_ids("sglang", cfg.aux_layers, n, "llama", "0.5.23")
     server = ReferenceServer(target, trained, 3, "llama", "0.5.23", cpu())
     assert server.layers == list(cfg.aux_layers)
 
-    vllm_ids = layer_contract.to_engine_ids("vllm", cfg.aux_layers, n, "llama", "0.32.0")
+    vllm_ids = engines.to_engine_ids("vllm", cfg.aux_layers, n, "llama", "0.32.0")
     assert vllm_ids != draft_export.nested_ids(conf)  # Llama: vLLM's id k is SGLang's k - 1
     copy = shutil.copytree(trained, tmp_path / "draft_vllm")
     written = draft_export.write_layer_ids(conf, vllm_ids, "vllm")
     (copy / "config.json").write_text(json.dumps(written))
-    sglang_reads = layer_contract.from_engine_ids("sglang", draft_export.nested_ids(written), n, "llama", "0.5.23")
+    sglang_reads = engines.from_engine_ids("sglang", draft_export.nested_ids(written), n, "llama", "0.5.23")
     assert sglang_reads != list(cfg.aux_layers)
     if len(sglang_reads) < len(cfg.aux_layers):  # SGLang's rule drops an id it cannot capture: the server refuses
         with pytest.raises(RuntimeError, match=rf"captured {len(sglang_reads)} of {len(cfg.aux_layers)} aux hidden"):
@@ -125,7 +124,7 @@ def echo_engine(tmp_path, monkeypatch):
 def test_an_engine_added_as_one_package_and_one_yaml_is_planned_and_launched(echo_engine, tiny_config, tmp_path):
     assert "echo" in engines.names(engines.SERVE)
     cfg = tiny_config(*echo_engine, "dry_run=true")
-    assert cfg.serve.engine == "echo" and cfg.serve.id_rules == "sglang 0.5.23"
+    assert cfg.serve.engine == "echo" and engines.id_rules(cfg.serve) == "sglang 0.5.23"
     command = server_command(cfg, tmp_path / "target", None, 1234)
     assert command[-1] == "--echo" and "orchestrator.engines.reference.server" in command
     serve = stage_layer_ids(cfg, "serve")

@@ -2,6 +2,7 @@
 
 import pytest
 
+from orchestrator import engines
 from orchestrator import layers as L
 
 # --- canonical validation -------------------------------------------------------------------------------
@@ -56,20 +57,20 @@ def test_hf_capture_points():
 
 
 def test_sglang_llama_ids_equal_canonical():
-    assert L.to_sglang_ids([-1, 3, 6], 8, "llama", "0.5.23") == [-1, 3, 6]
-    assert L.from_sglang_ids([-1, 3, 6], 8, "llama", "0.5.23") == [-1, 3, 6]
+    assert engines.to_engine_ids("sglang", [-1, 3, 6], 8, "llama", "0.5.23") == [-1, 3, 6]
+    assert engines.from_engine_ids("sglang", [-1, 3, 6], 8, "llama", "0.5.23") == [-1, 3, 6]
 
 
 def test_sglang_llama_last_layer_cannot_be_captured():
     with pytest.raises(L.LayerContractError, match="last decoder layer"):
-        L.to_sglang_ids([1, 4, 7], 8, "llama", "0.5.23")
+        engines.to_engine_ids("sglang", [1, 4, 7], 8, "llama", "0.5.23")
     # and reading such ids back shows the silent loss
-    assert L.from_sglang_ids([1, 4, 7], 8, "llama", "0.5.23") == [1, 4]
+    assert engines.from_engine_ids("sglang", [1, 4, 7], 8, "llama", "0.5.23") == [1, 4]
 
 
 def test_sglang_concatenates_in_ascending_order():
     # Source: sglang pack_aux_hidden_states concatenates in layer order, not list order.
-    assert L.from_sglang_ids([6, -1, 3], 8, "llama", "0.5.23") == [-1, 3, 6]
+    assert engines.from_engine_ids("sglang", [6, -1, 3], 8, "llama", "0.5.23") == [-1, 3, 6]
 
 
 # --- SGLang, DeepSeek-V2/V3 and Kimi family ------------------------------------------------------------------
@@ -79,44 +80,44 @@ def test_sglang_concatenates_in_ascending_order():
 
 
 def test_kimi_seed_layers_on_0_5_23():
-    ids = L.to_sglang_ids([-1, 2, 30], 61, "kimi_k25", "0.5.23")
+    ids = engines.to_engine_ids("sglang", [-1, 2, 30], 61, "kimi_k25", "0.5.23")
     assert ids == [0, 3, 31]
-    assert L.from_sglang_ids(ids, 61, "kimi_k25", "0.5.23") == [-1, 2, 30]
+    assert engines.from_engine_ids("sglang", ids, 61, "kimi_k25", "0.5.23") == [-1, 2, 30]
 
 
 def test_kimi_seed_layers_written_as_is_capture_only_two_states():
     # docs/kimi_k25.md#layer-ids-for-kimi: [-1, 2, 30] written as-is into a 0.5.23 draft config captures only
     # two states.
-    assert L.from_sglang_ids([-1, 2, 30], 61, "kimi_k25", "0.5.23") == [1, 29]
+    assert engines.from_engine_ids("sglang", [-1, 2, 30], 61, "kimi_k25", "0.5.23") == [1, 29]
 
 
 def test_deepseek_first_id_one_shifts():
-    assert L.from_sglang_ids([1, 10, 20], 61, "deepseek_v3", "0.5.23") == [1, 10, 20]
+    assert engines.from_engine_ids("sglang", [1, 10, 20], 61, "deepseek_v3", "0.5.23") == [1, 10, 20]
     # Both [1, 10, 20] (shift mode) and [2, 11, 21] (as-is) capture these; the encoder prefers the ids that
     # read the same under the older always-shift rule too.
-    assert L.to_sglang_ids([1, 10, 20], 61, "deepseek_v3", "0.5.23") == [1, 10, 20]
-    assert L.from_sglang_ids([2, 11, 21], 61, "deepseek_v3", "0.5.23") == [1, 10, 20]
+    assert engines.to_engine_ids("sglang", [1, 10, 20], 61, "deepseek_v3", "0.5.23") == [1, 10, 20]
+    assert engines.from_engine_ids("sglang", [2, 11, 21], 61, "deepseek_v3", "0.5.23") == [1, 10, 20]
 
 
 def test_deepseek_output_of_layer_zero_first_is_not_expressible():
     with pytest.raises(L.LayerContractError, match="layer 0 cannot be the first"):
-        L.to_sglang_ids([0, 10, 20], 61, "deepseek_v3", "0.5.23")
+        engines.to_engine_ids("sglang", [0, 10, 20], 61, "deepseek_v3", "0.5.23")
 
 
 def test_deepseek_before_pr_25454_always_shifts():
     # Source: sglang 0.5.12.post1 deepseek_v2.py: layers_to_capture = [val + 1 for val in layer_ids].
-    assert L.to_sglang_ids([-1, 2, 30], 61, "kimi_k25", "0.5.12") == [-1, 2, 30]
-    assert L.to_sglang_ids([-1, 2, 30], 61, "kimi_k25", "0.5.13") == [0, 3, 31]
+    assert engines.to_engine_ids("sglang", [-1, 2, 30], 61, "kimi_k25", "0.5.12") == [-1, 2, 30]
+    assert engines.to_engine_ids("sglang", [-1, 2, 30], 61, "kimi_k25", "0.5.13") == [0, 3, 31]
 
 
 def test_sglang_unknown_family_raises():
     with pytest.raises(L.LayerContractError, match="no SGLang layer-id rule"):
-        L.to_sglang_ids([1, 2, 3], 8, "mamba", "0.5.23")
+        engines.to_engine_ids("sglang", [1, 2, 3], 8, "mamba", "0.5.23")
 
 
 def test_sglang_bad_version_raises():
     with pytest.raises(L.LayerContractError, match="X.Y.Z"):
-        L.to_sglang_ids([1, 2, 3], 8, "deepseek_v3", "latest")
+        engines.to_engine_ids("sglang", [1, 2, 3], 8, "deepseek_v3", "latest")
 
 
 # --- vLLM / speculators ---------------------------------------------------------------------------------------
@@ -125,31 +126,31 @@ def test_sglang_bad_version_raises():
 
 
 def test_vllm_ids_are_entering_layer():
-    assert L.to_vllm_ids([-1, 2, 30], 61) == [0, 3, 31]
-    assert L.to_vllm_ids([2, 30, 60], 61) == [3, 31, 61]
-    assert L.from_vllm_ids([3, 31, 61], 61) == [2, 30, 60]
+    assert engines.to_engine_ids("vllm", [-1, 2, 30], 61, "llama", "0.32.0") == [0, 3, 31]
+    assert engines.to_engine_ids("vllm", [2, 30, 60], 61, "llama", "0.32.0") == [3, 31, 61]
+    assert engines.from_engine_ids("vllm", [3, 31, 61], 61, "llama", "0.32.0") == [2, 30, 60]
 
 
 def test_vllm_rules_are_read_from_its_model_code_per_family_and_version():
     """vLLM 0.32's capture loops (vllm/model_executor/models/llama.py and deepseek_v2.py): Llama records the
     embedding as id 0, DeepSeek/Kimi fails there; both record the final state as id N; an unread version has no
     rule."""
-    assert L.to_engine_ids("vllm", [-1, 3, 7], 8, "llama", "0.32.0") == [0, 4, 8]
-    assert L.to_engine_ids("vllm", [0, 3, 7], 8, "deepseek_v3", "0.32.1") == [1, 4, 8]
+    assert engines.to_engine_ids("vllm", [-1, 3, 7], 8, "llama", "0.32.0") == [0, 4, 8]
+    assert engines.to_engine_ids("vllm", [0, 3, 7], 8, "deepseek_v3", "0.32.1") == [1, 4, 8]
     with pytest.raises(L.LayerContractError, match="no embedding output for this family"):
-        L.to_engine_ids("vllm", [-1, 3, 7], 8, "kimi_k25", "0.32.0")
-    assert L.from_engine_ids("vllm", [0, 4], 8, "deepseek_v3", "0.32.0") == [3]
+        engines.to_engine_ids("vllm", [-1, 3, 7], 8, "kimi_k25", "0.32.0")
+    assert engines.from_engine_ids("vllm", [0, 4], 8, "deepseek_v3", "0.32.0") == [3]
     with pytest.raises(L.LayerContractError, match="no vLLM layer-id rule recorded for version '0.31.0'"):
-        L.to_engine_ids("vllm", [1, 4, 6], 8, "llama", "0.31.0")
+        engines.to_engine_ids("vllm", [1, 4, 6], 8, "llama", "0.31.0")
     # the demo's one-layer shift: SGLang's ids for [1, 4, 6] make vLLM capture the layers below
-    assert L.from_engine_ids(
-        "vllm", L.to_engine_ids("sglang", [1, 4, 6], 8, "llama", "0.5.23"), 8, "llama", "0.32.0"
+    assert engines.from_engine_ids(
+        "vllm", engines.to_engine_ids("sglang", [1, 4, 6], 8, "llama", "0.5.23"), 8, "llama", "0.32.0"
     ) == [0, 3, 5]
 
 
 def test_unknown_engine_raises():
     with pytest.raises(L.LayerContractError, match="unknown engine"):
-        L.to_engine_ids("tgi", [1, 2, 3], 8, "llama", "1.0")
+        engines.to_engine_ids("tgi", [1, 2, 3], 8, "llama", "1.0")
 
 
 def test_the_kimi_triples_table_in_the_docs_is_the_contracts():
@@ -165,7 +166,7 @@ def test_the_kimi_triples_table_in_the_docs_is_the_contracts():
         for engine, written in (("sglang", sglang_ids), ("vllm", vllm_ids)):
             try:
                 version = "0.5.23" if engine == "sglang" else "0.32.0"
-                ids = L.to_engine_ids(engine, json.loads(triple), 61, "kimi_k25", version)
+                ids = engines.to_engine_ids(engine, json.loads(triple), 61, "kimi_k25", version)
             except L.LayerContractError:
                 ids = None
             assert (None if written == "-" else json.loads(written.strip("`"))) == ids, (triple, engine)

@@ -21,7 +21,7 @@ from conftest import FAST, user_overrides
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
-from orchestrator import conf_dir, search
+from orchestrator import conf_dir, engines, search
 from orchestrator import layers as layer_contract
 from orchestrator.config import load
 from orchestrator.pruning import PRUNED_RECORD
@@ -51,7 +51,7 @@ def space_of(outputs: Path, *overrides: str, **kw) -> tuple[search.SearchConfig,
 def capturable(cfg, point) -> bool:
     t, s = cfg.target, cfg.serve
     try:
-        layer_contract.to_engine_ids(s.engine, point, t.num_hidden_layers, t.family, s.sglang_version)
+        engines.to_engine_ids(s.engine, point, t.num_hidden_layers, t.family, s.sglang_version)
         return True
     except layer_contract.LayerContractError:
         return False

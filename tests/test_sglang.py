@@ -20,7 +20,7 @@ from golden import GOLDEN_DIR, assert_matches_golden
 from hydra import compose, initialize_config_dir
 
 import orchestrator
-from orchestrator import layers as layer_contract
+from orchestrator import engines
 from orchestrator.config import RootConfig, load
 from orchestrator.draft import export as draft_export
 from orchestrator.draft import guard
@@ -92,7 +92,7 @@ def exported_draft_config(cfg: RootConfig) -> dict[str, Any]:
         t.rope_theta,
         d.max_position_embeddings or t.max_position_embeddings,
     )
-    ids = layer_contract.to_engine_ids(
+    ids = engines.to_engine_ids(
         cfg.serve.engine, cfg.aux_layers, t.num_hidden_layers, t.family, cfg.serve.sglang_version
     )
     return draft_export.draft_config(shape, ids, d.torch_dtype, target_config_of(cfg), shape.max_position_embeddings)
@@ -233,7 +233,7 @@ def rewrite_ids(folder: Path, ids: list[int]) -> None:
 
 def test_draft_with_contract_ids_is_accepted_and_other_ids_refused(tmp_path):
     cfg = make_config(["+experiment=tiny_eagle3", "serve=sglang", "serve.fallback=null"])
-    ids = layer_contract.to_engine_ids("sglang", cfg.aux_layers, cfg.target.num_hidden_layers, "llama", "0.5.23")
+    ids = engines.to_engine_ids("sglang", cfg.aux_layers, cfg.target.num_hidden_layers, "llama", "0.5.23")
     folder = write_draft(tmp_path / "draft", ids, cfg.aux_layers)
     assert guard.check_draft_for_serving(cfg, folder, TINY_TARGET) == ids
 

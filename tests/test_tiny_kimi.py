@@ -13,8 +13,8 @@ import torch
 from safetensors import safe_open
 from transformers.core_model_loading import revert_weight_conversion
 
+from orchestrator import engines, wrappers
 from orchestrator import layers as layer_contract
-from orchestrator import wrappers
 from orchestrator.artifacts import ArtifactError
 from orchestrator.capture import HiddenStateCapture, base_model, teacher_logits
 from orchestrator.draft import rope as draft_rope
@@ -232,7 +232,7 @@ def test_tiny_kimi_pipeline_all_four_stages(tiny_config, tmp_path):
     # Kimi's pattern [-1, 2, 3] written for SGLang 0.5.23's DeepSeek/Kimi rule (PR #25454): first id != 1, no shift
     ids = conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     assert cfg.aux_layers == [-1, 2, 3] and ids == [0, 3, 4]
-    assert ids == layer_contract.to_engine_ids("sglang", cfg.aux_layers, 6, "kimi_k25", cfg.serve.sglang_version)
+    assert ids == engines.to_engine_ids("sglang", cfg.aux_layers, 6, "kimi_k25", cfg.serve.sglang_version)
     assert layer_contract.captured_layers(layer_contract.SGLANG_FIRST_ID, ids, 6) == [-1, 2, 3]
     serve = summary["stages"]["serve"]
     assert serve["greedy_outputs_identical"] is True and serve["accept_length"] >= 1.0

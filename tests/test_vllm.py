@@ -16,7 +16,7 @@ import torch
 from conftest import copy_cache
 from safetensors.torch import load_file
 
-from orchestrator import preflight
+from orchestrator import engines, preflight
 from orchestrator.artifacts import read_json
 from orchestrator.draft import export as draft_export
 from orchestrator.draft import guard
@@ -192,7 +192,6 @@ def test_vllms_own_loader_takes_every_weight_of_a_deepseek_family_export(vllm_py
     The untrained draft is enough: what is checked is the export's names and shapes, not its numbers. (The draft is
     built against the text model's config, the same for a DeepSeek-V3 target and for the Kimi-K2.5 wrapper, which
     vLLM loads in test_vllm_loads_the_tiny_kimi_and_captures_the_states_hf_computes.)"""
-    from orchestrator import layers as layer_contract
     from orchestrator.draft import rope as draft_rope
     from orchestrator.draft.model import Eagle3Draft, default_shape
     from orchestrator.tiny import build_tiny_target
@@ -215,7 +214,7 @@ def test_vllms_own_loader_takes_every_weight_of_a_deepseek_family_export(vllm_py
     draft = Eagle3Draft(shape)
     d2t, t2d = draft_export.build_vocab_map(torch.arange(512, dtype=torch.float32), 256)
     draft.set_vocab_map(d2t, t2d)
-    ids = layer_contract.to_engine_ids("vllm", [1, 2, 4], 6, cfg.target.family, cfg.serve.engine_version)
+    ids = engines.to_engine_ids("vllm", [1, 2, 4], 6, cfg.target.family, engines.engine_version(cfg.serve))
     assert ids == [2, 3, 5]
     conf = draft_export.draft_config(shape, ids, "float32", tconf, 2048)
     prov = {"rope": shape.rope.as_dict(), "serving": draft_export.serving_record(cfg.serve, cfg.target.family, ids)}
@@ -234,7 +233,6 @@ def test_vllms_own_capture_lands_every_id_the_contract_allows_on_the_state_it_na
     float32 rounding, HF's states at the canonical layer the contract maps it to (`HiddenStateCapture`, extraction's
     own capture). The last id is the last layer's output before the final norm. The response vLLM generated is
     HF's greedy one, token for token."""
-    from orchestrator import layers as layer_contract
     from orchestrator.capture import HiddenStateCapture
     from orchestrator.targets import load_target
 
@@ -243,7 +241,7 @@ def test_vllms_own_capture_lands_every_id_the_contract_allows_on_the_state_it_na
     target = Path(make_plan(cfg, tmp_path).target_dir)
     n = cfg.target.num_hidden_layers
     ids = list(range(n + 1))
-    canonical = layer_contract.from_engine_ids("vllm", ids, n, cfg.target.family, "0.32.0")
+    canonical = engines.from_engine_ids("vllm", ids, n, cfg.target.family, "0.32.0")
     assert canonical == list(range(-1, n)), canonical
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24]]
     engine_args = vllm_engine.capture_engine_args(target, ids, tmp_path / "states")
@@ -276,15 +274,14 @@ def test_vllm_loads_the_tiny_kimi_and_captures_the_states_hf_computes(vllm_pytho
     vLLM builds its `KimiK25ForConditionalGeneration` (DeepSeek-V2 model code) from it, its loader setting every
     parameter from a checkpoint tensor, and its extractor, asked for every id vLLM's DeepSeek rule allows (1 to N:
     each decoder layer's output, the last one before the final norm), gives HF's states at the canonical layers
-    `to_vllm_ids` maps to those ids, within float32 rounding, for the prompt and the greedy response vLLM
-    generated, which is HF's token for token."""
-    from orchestrator import layers as layer_contract
+    `engines.to_engine_ids("vllm", ...)` maps to those ids, within float32 rounding, for the prompt and the greedy
+    response vLLM generated, which is HF's token for token."""
     from orchestrator.capture import HiddenStateCapture
     from orchestrator.targets import load_target
 
     n = target_config_json(tiny_kimi_dir)["num_hidden_layers"]
     layers = list(range(n))  # vLLM's DeepSeek model has no embedding output (-1)
-    ids = layer_contract.to_vllm_ids(layers, n, family="kimi_k25")
+    ids = engines.to_engine_ids("vllm", layers, n, "kimi_k25", "0.32.0")
     assert ids == list(range(1, n + 1)), ids
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24]]
     engine_args = vllm_engine.capture_engine_args(tiny_kimi_dir, ids, tmp_path / "states")

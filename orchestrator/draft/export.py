@@ -357,8 +357,8 @@ def serving_record(serve, family: str, ids: list[int]) -> dict[str, Any]:
         "family": family,
         "sglang_version": serve.sglang_version,
         # the version of the engine's id rule, under its convention's name (vllm_version, sglang_version)
-        f"{engines.get(serve.engine).convention}_version": serve.engine_version,
-        "id_rules": serve.id_rules,
+        f"{engines.get(serve.engine).convention}_version": engines.engine_version(serve),
+        "id_rules": engines.id_rules(serve),
         "eagle_aux_hidden_state_layer_ids": list(ids),
     }
 

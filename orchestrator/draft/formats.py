@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from orchestrator import engines
 from orchestrator.artifacts import ArtifactError
 from orchestrator.draft import export as draft_export
 from orchestrator.draft.model import Eagle3Draft
@@ -147,14 +148,13 @@ def relabel(src: Path, dst: Path, engine: str, family: str, num_layers: int, ver
     the ids. What `check_draft=`'s search is tested on (tests/test_readings.py, scripts/find_trained_layers.py)."""
     import shutil
 
-    from orchestrator import layers as layer_contract
     from orchestrator.artifacts import write_json
 
     src, dst = Path(src), Path(dst)
     trained = draft_export.provenance(src)["aux_layers"]
-    ids = layer_contract.to_engine_ids(engine, trained, num_layers, family, version)
+    ids = engines.to_engine_ids(engine, trained, num_layers, family, version)
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copy2(src / "model.safetensors", dst / "model.safetensors")
     conf = json.loads((src / "config.json").read_text())
-    write_json(dst / "config.json", draft_export.write_layer_ids(conf, ids, layer_contract.id_convention(engine)))
+    write_json(dst / "config.json", draft_export.write_layer_ids(conf, ids, engines.id_convention(engine)))
     return ids

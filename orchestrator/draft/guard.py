@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from orchestrator import engines
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import ArtifactError
 from orchestrator.config import RootConfig
@@ -49,7 +50,7 @@ def check_exported_engine(cfg: RootConfig, prov: dict[str, Any], ids: list[int],
     `serving.engine`): an SGLang export served by vLLM feeds the draft the layer below each trained one."""
     s = cfg.serve
     exported = (prov.get("serving") or {}).get("engine")
-    if exported is None or layer_contract.id_convention(exported) == layer_contract.id_convention(s.engine):
+    if exported is None or engines.id_convention(exported) == engines.id_convention(s.engine):
         return
     rules = (prov.get("serving") or {}).get("id_rules") or exported
     try:
@@ -58,8 +59,8 @@ def check_exported_engine(cfg: RootConfig, prov: dict[str, Any], ids: list[int],
         what = f"{s.engine} has no rule for them ({exc})"
     raise ServingRefused(
         f"{where} was exported for {exported} ({rules}: ids {list(ids)} for aux_layers={prov.get('aux_layers')}), "
-        f"not for serve.engine={s.engine} ({s.id_rules}); {what}. Fix: serve it through the pipeline, whose serve "
-        f"stage writes the draft for its engine (orchestrator.draft.served.served_draft_dir), or set "
+        f"not for serve.engine={s.engine} ({engines.id_rules(s)}); {what}. Fix: serve it through the pipeline, whose "
+        f"serve stage writes the draft for its engine (orchestrator.draft.served.served_draft_dir), or set "
         f"serve.engine={exported}."
     )
 
@@ -67,7 +68,7 @@ def check_exported_engine(cfg: RootConfig, prov: dict[str, Any], ids: list[int],
 def _captured(cfg: RootConfig, ids: list[int]) -> tuple[list[int], str]:
     """The canonical states serve.engine captures for a draft config's ids, and them in words."""
     t, s = cfg.target, cfg.serve
-    captured = layer_contract.from_engine_ids(s.engine, ids, t.num_hidden_layers, t.family, s.engine_version)
+    captured = engines.from_engine_ids(s.engine, ids, t.num_hidden_layers, t.family, engines.engine_version(s))
     return captured, f"{captured} ({', '.join(layer_contract.describe(k) for k in captured) or 'nothing'})"
 
 
@@ -77,18 +78,18 @@ def check_layer_ids(cfg: RootConfig, ids: list[int], trained: list[int], where: 
     captured, states = _captured(cfg, ids)
     if captured == list(trained) and len(ids) == len(trained):
         return
-    rule = layer_contract.engine_rule(layer_contract.id_convention(s.engine), t.family, s.engine_version)
+    rule = engines.engine_rule(engines.id_convention(s.engine), t.family, engines.engine_version(s))
     if len(captured) < len(ids):
         what = f"captures only {len(captured)} states for {len(ids)} ids: {states}"
     else:
         what = f"captures {states}"
     try:
-        fixed_ids = layer_contract.to_engine_ids(s.engine, trained, t.num_hidden_layers, t.family, s.engine_version)
-        fix = f"set it to {fixed_ids} (orchestrator.layers.to_engine_ids) or re-export the draft"
+        fixed_ids = engines.to_engine_ids(s.engine, trained, t.num_hidden_layers, t.family, engines.engine_version(s))
+        fix = f"set it to {fixed_ids} (orchestrator.engines.to_engine_ids) or re-export the draft"
     except layer_contract.LayerContractError as exc:
         fix = f"no ids express the trained layers with this rule ({exc}); retrain on layers it can capture"
     raise ServingRefused(
         f"{where}: config.json eagle_config.eagle_aux_hidden_state_layer_ids={list(ids)}, but the draft was trained "
-        f"on aux_layers={list(trained)} ({draft_export.PROVENANCE}). {s.id_rules} ({rule.name} rule for "
+        f"on aux_layers={list(trained)} ({draft_export.PROVENANCE}). {engines.id_rules(s)} ({rule.name} rule for "
         f"target.family={t.family}, {t.num_hidden_layers} layers) {what}. Fix: {fix}."
     )

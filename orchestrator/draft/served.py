@@ -8,6 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
+from orchestrator import engines
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import read_json, write_json
 from orchestrator.config import RootConfig
@@ -28,9 +29,9 @@ def served_draft_dir(cfg: RootConfig, plan) -> Path:
     conf = read_json(trained / "config.json", "draft config")
     prov = read_json(trained / draft_export.PROVENANCE, "draft provenance")
     exported = prov.get("serving") or {}
-    convention = layer_contract.id_convention(exported.get("engine") or s.engine)
+    convention = engines.id_convention(exported.get("engine") or s.engine)
     deliberate = list(s.layers) != list(cfg.train.layers)
-    serving_convention = layer_contract.id_convention(s.engine)
+    serving_convention = engines.id_convention(s.engine)
     written = draft_export.nested_ids(conf)
     complete = conf == draft_export.write_layer_ids(json.loads(json.dumps(conf)), written or [], serving_convention)
     if convention == serving_convention and not deliberate and complete:
@@ -39,8 +40,8 @@ def served_draft_dir(cfg: RootConfig, plan) -> Path:
         layers = list(s.layers)
     else:  # what the export captures where it was meant to be served
         version = exported.get(f"{convention}_version")  # draft_export.serving_record
-        layers = layer_contract.from_engine_ids(
-            convention, written, t.num_hidden_layers, t.family, version or s.engine_version
+        layers = engines.from_engine_ids(
+            convention, written, t.num_hidden_layers, t.family, version or engines.engine_version(s)
         )
     ids = _ids_as_written(cfg, layers)
     copy = Path(plan.run_dir) / f"draft_{s.engine}"
@@ -65,8 +66,8 @@ def _link_or_copy(src: str, dst: str) -> None:
 def _ids_as_written(cfg: RootConfig, layers: list[int]) -> list[int]:
     t = cfg.target
     try:
-        return layer_contract.to_engine_ids(
-            cfg.serve.engine, layers, t.num_hidden_layers, t.family, cfg.serve.engine_version
+        return engines.to_engine_ids(
+            cfg.serve.engine, layers, t.num_hidden_layers, t.family, engines.engine_version(cfg.serve)
         )
     except layer_contract.LayerContractError:
         return layers  # written as-is, as a pipeline without the contract would

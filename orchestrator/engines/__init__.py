@@ -31,15 +31,16 @@ import pkgutil
 import subprocess
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+from orchestrator.layers import IdRule, LayerContractError, captured_layers, encode, parse_version
 
 if TYPE_CHECKING:  # the engine modules import these; the registry itself stays light
     import torch
 
     from orchestrator.compute import Compute
-    from orchestrator.config import RootConfig, ServeConfig
+    from orchestrator.config.schema import RootConfig, ServeConfig
     from orchestrator.engines.client import ServerProcess
-    from orchestrator.layers import IdRule
 
 SERVE = "serve"
 CAPTURE = "capture"
@@ -116,8 +117,7 @@ class Engine:
         """The installed version, once it equals the configured pin and has a recorded id rule for the target's
         family; raises ConfigError naming both versions otherwise. None where `python` holds no such environment
         (another check says so)."""
-        from orchestrator.config import ConfigError
-        from orchestrator.layers import LayerContractError, parse_version
+        from orchestrator.config.schema import ConfigError
 
         installed = self.installed_version(python)
         if installed is None:
@@ -289,3 +289,42 @@ def server_command(
 
     engine = get(cfg.serve.engine, SERVE)
     return engine.launch_command(cfg, Path(target), Path(draft) if draft else None, port, compute or compute_mod.cpu())
+
+
+# ------------------------------------------------------------------------- the layer contract, engine by engine
+
+
+def engine_rule(engine: str, family: str, version: str | None) -> IdRule:
+    """The id rule an engine applies to a model family at a version: the engine's own."""
+    try:
+        return get(engine).id_rule(family, version)
+    except EngineError as exc:
+        raise LayerContractError(str(exc)) from None
+
+
+def id_convention(engine: str) -> str:
+    """The engine whose id convention a draft config for `engine` is written in (the reference engine reads
+    SGLang's): two drafts for engines of one convention are interchangeable, of two conventions they are not."""
+    return get(engine).convention or engine
+
+
+def to_engine_ids(engine: str, layers: Sequence[int], num_layers: int, family: str, version: str | None) -> list[int]:
+    """The ids a serving engine's draft config (or a capture request) must carry for the canonical `layers`, in
+    that engine's rule; a LayerContractError saying why where none do."""
+    return encode(engine_rule(engine, family, version), layers, num_layers)
+
+
+def from_engine_ids(engine: str, ids: Sequence[int], num_layers: int, family: str, version: str | None) -> list[int]:
+    """The canonical states an engine captures for `ids`, in the order it concatenates them (possibly fewer)."""
+    return captured_layers(engine_rule(engine, family, version), ids, num_layers)
+
+
+def engine_version(serve: ServeConfig) -> str | None:
+    """The version whose layer-id rule applies to `serve.engine`: vLLM's for vllm, else SGLang's (the reference
+    engine reads SGLang's convention)."""
+    return get(serve.engine).version(serve)
+
+
+def id_rules(serve: ServeConfig) -> str:
+    """Whose layer-id rules apply, for messages: 'vllm 0.32.0' or 'sglang 0.5.23'."""
+    return f"{get(serve.engine).convention} {engine_version(serve)}"

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from orchestrator import layers as layer_contract
+from orchestrator import engines
 from orchestrator.artifacts import ArtifactError, read_manifest, write_json, write_manifest
 from orchestrator.capture import HiddenStateCapture
 from orchestrator.compute import Compute
@@ -34,8 +34,8 @@ def served_layers(cfg: RootConfig, draft_conf: dict[str, Any]) -> list[int]:
     """The canonical states the serving engine captures for the draft config's ids."""
     ids = draft_conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     t = cfg.target
-    return layer_contract.from_engine_ids(
-        cfg.serve.engine, ids, t.num_hidden_layers, t.family, cfg.serve.engine_version
+    return engines.from_engine_ids(
+        cfg.serve.engine, ids, t.num_hidden_layers, t.family, engines.engine_version(cfg.serve)
     )
 
 
@@ -184,7 +184,7 @@ def mismatch_causes(cfg: RootConfig, prov: dict[str, Any], layers: list[int], ta
         causes.append(
             f"the draft config's eagle_aux_hidden_state_layer_ids make {cfg.serve.engine} capture {layers}, "
             f"but the draft was trained on aux_layers={prov.get('aux_layers')}: export the ids with the layer "
-            f"contract (orchestrator.layers.to_engine_ids) for the serving engine, family and version"
+            f"contract (orchestrator.engines.to_engine_ids) for the serving engine, family and version"
         )
     if target_tok_hash and prov.get("tokenizer_hash") != target_tok_hash:
         causes.append("the target's tokenizer/chat template differs from the one used at extraction")

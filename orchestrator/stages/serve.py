@@ -361,10 +361,11 @@ def _how_measured(
     """The engine that measured and its version, which passes this run measured and who measured the others (a
     sweep's points share one baseline), each started server's seconds (start-up, warm-up, measurement), the keys."""
     s = cfg.serve
+    pinned, rules = engines.engine_version(s), engines.id_rules(s)
     result: dict[str, Any] = {
         "engine": s.engine,
-        "engine_version": servers["speculative"]["server_info"].get("version") or installed or s.engine_version,
-        "id_rules": f"{s.id_rules} ({s.engine_version}, installed)" if installed else s.id_rules,
+        "engine_version": servers["speculative"]["server_info"].get("version") or installed or pinned,
+        "id_rules": f"{rules} ({pinned}, installed)" if installed else rules,
     }
     if s.fallback_reason:
         result["engine_fallback"] = s.fallback_reason

@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from tqdm import tqdm
 
-from orchestrator import layers as layer_contract
-from orchestrator import pruning
+from orchestrator import engines, pruning
 from orchestrator.artifacts import ArtifactError, atomic_path, write_json, write_manifest
 from orchestrator.compute import Compute
 from orchestrator.config import RootConfig
@@ -499,7 +498,7 @@ def export_draft(
     cfg: RootConfig, plan, draft: Eagle3Draft, manifest: dict, target_path: Path, final: dict, steps: int
 ) -> dict[str, Any]:
     t, s = cfg.target, cfg.serve
-    ids = layer_contract.to_engine_ids(s.engine, cfg.train.layers, t.num_hidden_layers, t.family, s.engine_version)
+    ids = engines.to_engine_ids(s.engine, cfg.train.layers, t.num_hidden_layers, t.family, engines.engine_version(s))
     tconf = target_config_json(target_path)
     conf = draft_export.draft_config(
         draft.shape,
@@ -507,7 +506,7 @@ def export_draft(
         cfg.draft.torch_dtype,
         tconf,
         cfg.draft.max_position_embeddings or tconf.get("max_position_embeddings", t.max_position_embeddings),
-        layer_contract.id_convention(s.engine),
+        engines.id_convention(s.engine),
     )
     provenance = draft_provenance(cfg, plan, manifest, ids) | {
         "trained_ttt_steps": steps,
@@ -546,13 +545,13 @@ def import_draft(cfg: RootConfig, plan, manifest: dict, target_path: Path) -> di
     from orchestrator.draft import formats
 
     t, s = cfg.target, cfg.serve
-    ids = layer_contract.to_engine_ids(s.engine, cfg.train.layers, t.num_hidden_layers, t.family, s.engine_version)
+    ids = engines.to_engine_ids(s.engine, cfg.train.layers, t.num_hidden_layers, t.family, engines.engine_version(s))
     provenance = draft_provenance(cfg, plan, manifest, ids)
     out = plan.dir("train")
     draft_dir = out / "draft"
     formats.import_draft(
         Path(cfg.train.from_draft), draft_dir, target_path, list(cfg.train.layers), ids,
-        layer_contract.id_convention(s.engine), provenance,
+        engines.id_convention(s.engine), provenance,
     )  # fmt: skip
     result = {"draft_dir": str(draft_dir), "eagle_aux_hidden_state_layer_ids": ids}
     result["imported_from"] = cfg.train.from_draft

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from orchestrator.compute import resolve_precision
-from orchestrator.config import ConfigError
+from orchestrator.config.schema import ConfigError
 from orchestrator.engines import SERVE, Engine
 from orchestrator.engines.sglang import SGLang, sglang_rule
 

@@ -38,9 +38,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from orchestrator import __version__
+from orchestrator import __version__, engines
 from orchestrator import compute as compute_mod
-from orchestrator import layers as layer_contract
 from orchestrator.capture import HiddenStateCapture, num_decoder_layers
 from orchestrator.compute import Compute
 from orchestrator.draft.export import load_draft
@@ -63,7 +62,7 @@ class Engine:
             self.draft.to(compute.device)
             ids = conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
             n = num_decoder_layers(self.model)
-            self.layers = layer_contract.from_sglang_ids(ids, n, family, sglang_version)
+            self.layers = engines.from_engine_ids("sglang", ids, n, family, sglang_version)
             if len(self.layers) != self.draft.shape.num_aux_layers:
                 raise RuntimeError(
                     f"captured {len(self.layers)} of {self.draft.shape.num_aux_layers} aux hidden states: the draft "

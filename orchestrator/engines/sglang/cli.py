@@ -12,7 +12,7 @@ from __future__ import annotations
 import subprocess
 import textwrap
 
-from orchestrator.config import ConfigError, RootConfig, check_speculative_args
+from orchestrator.config.schema import ConfigError, RootConfig, check_speculative_args
 from orchestrator.draft.guard import ServingRefused
 
 MODULE = "sglang.launch_server"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from orchestrator.config import ConfigError, captured_layers, one_pass, tasks_per_node
+from orchestrator.config.schema import ConfigError, captured_layers, one_pass, tasks_per_node
 from orchestrator.engines import CAPTURE, SERVE, CaptureJob, Engine
 from orchestrator.engines.vllm import capture, cli
 from orchestrator.engines.vllm.ids import capture_ids, vllm_config_ids, vllm_rule

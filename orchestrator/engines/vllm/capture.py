@@ -11,7 +11,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from orchestrator.config import one_pass
+from orchestrator.config.schema import one_pass
 from orchestrator.data import prompt_ids
 from orchestrator.engines import CaptureJob
 from orchestrator.engines.vllm import cli

@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator import layers as layer_contract
 from orchestrator.compute import resolve_precision
-from orchestrator.config import ConfigError, RootConfig, captured_layers
+from orchestrator.config.schema import ConfigError, RootConfig, captured_layers
 from orchestrator.engines import client
 from orchestrator.engines.vllm.ids import capture_ids, vllm_rule
 from orchestrator.layers import describe

@@ -1,344 +1,34 @@
-"""Typed schema of the composed config, and its validation.
-
-The Hydra tree under `conf/` is the only place values live; this module holds the types and no defaults (every
-field is MISSING, so a key the YAML leaves out fails at load, naming it). `load()` merges a composed config into
-the schema (missing keys, unknown keys and wrong types fail there, naming the key), resolves the `${aux_layers}`
-interpolations, and runs the cross-field checks that no type can express. Everything downstream receives a
-`RootConfig` object, never a DictConfig.
-"""
+"""The composed config loaded into the schema (orchestrator/config/schema.py) and checked across fields: missing
+keys, unknown keys and wrong types fail at `load`, naming the key; `validate` runs what no type can express,
+including what each engine (orchestrator/engines) accepts, before any job is submitted."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from orchestrator import engines, families
 from orchestrator import layers as layer_contract
-
-# `${project_root:}`: the checkout's root, where scripts/make_vllm_env.sh builds vLLM's environment by default
-OmegaConf.register_new_resolver("project_root", lambda: str(Path(__file__).resolve().parents[1]), replace=True)
-
-STAGES = ("extract", "train", "eval", "serve")
-CLUSTERS = ("local", "debug", "slurm")
-DTYPES = ("float32", "bfloat16", "float16")
-DATA_SETS = ("stdlib_chat", "jsonl", "hf")
-DATA_FORMATS = ("auto", "openai", "sharegpt", "ultrachat")
-# data=hf's own keys (conf/data/hf.yaml); the other data sets leave them at their defaults
-HF_KEYS = {"path": None, "subset": None, "data_files": None, "revision": None, "val_split": None, "column": None}
-REGENERATE_ENGINES = ("hf", "server", "one_pass")
-REGENERATE_APIS = ("generate", "completions")
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key, the value and what is allowed."""
-
-
-@dataclass
-class Resources:
-    """What one stage job asks of the cluster."""
-
-    nodes: int = MISSING
-    gpus_per_node: int = MISSING
-    # Processes per node (submitit tasks, one torch.distributed rank each). null: one per GPU for the stages that
-    # run data-parallel (extract, train), one per node for eval and serve; see `tasks_per_node`.
-    tasks_per_node: Optional[int] = MISSING
-    cpus_per_task: int = MISSING
-    mem_gb: int = MISSING
-    timeout_min: int = MISSING
-
-
-@dataclass
-class TinySpec:
-    """How to build a tiny target when no model path is given."""
-
-    arch: str = MISSING
-    model: dict[str, Any] = MISSING
-    train: dict[str, Any] = MISSING
-
-
-@dataclass
-class TargetConfig:
-    name: str = MISSING
-    family: str = MISSING
-    num_hidden_layers: int = MISSING
-    hidden_size: int = MISSING
-    vocab_size: int = MISSING
-    max_position_embeddings: int = MISSING
-    # A local HF model directory. None: build the tiny target described by `tiny`.
-    path: Optional[str] = MISSING
-    tiny: Optional[TinySpec] = MISSING
-    trust_remote_code: bool = MISSING
-    # The architecture name of the target's HF config (recorded in plans and draft configs).
-    architecture: str = MISSING
-    rope_theta: float = MISSING
-    rope_scaling: Optional[dict[str, Any]] = MISSING
-    # Python packages the target's remote code (trust_remote_code: its tokenizer) imports beyond transformers and
-    # tokenizers; the dry run checks each imports. An extra of the project's named after the target declares them.
-    remote_code_imports: list[str] = MISSING
-
-
-@dataclass
-class RegenerateConfig:
-    """Replace the assistant turns by the target's own responses to the same prompts (SpecForge's
-    regeneration), so the draft learns the text the target produces when served, not the data set's."""
-
-    enabled: bool = MISSING
-    # hf: HF `generate` in the extract job; server: a serving endpoint (orchestrator/regenerate.py); one_pass:
-    # with extract.engine=vllm, vLLM generates the response and captures the states of prompt plus response in
-    # the same request (orchestrator/engines/vllm/capture.py, `capture_all`).
-    engine: str = MISSING
-    max_new_tokens: int = MISSING
-    # 0: greedy, what the serve stage benchmarks; > 0 samples (seeded).
-    temperature: float = MISSING
-    # engine=hf: prompts per `generate` call.
-    batch_size: int = MISSING
-    # engine=server: the endpoint's base URL (http://HOST:PORT); null: start the target with the serve stage's
-    # launcher (serve.engine's command, no draft) for the extraction and stop it afterwards.
-    url: Optional[str] = MISSING
-    # engine=server: generate (SGLang's /generate, input_ids in, output_ids out) or completions (OpenAI
-    # /v1/completions with a token-id prompt and return_token_ids: SGLang, vLLM).
-    api: str = MISSING
-    # engine=server: requests in flight.
-    concurrency: int = MISSING
-
-
-@dataclass
-class DataConfig:
-    name: str = MISSING
-    # stdlib_chat: a seeded sample of this many stdlib files (null: all of them).
-    max_files: Optional[int] = MISSING
-    # jsonl: the user's conversation files, one JSON object per line (relative paths: from the working directory).
-    train_files: list[str] = MISSING
-    # Empty: `val_fraction` of the train files' conversations, picked under the seed, are held out instead.
-    val_files: list[str] = MISSING
-    val_fraction: Optional[float] = MISSING
-    # auto (each line by its key), openai (`messages`: role/content) or sharegpt (`conversations`: from/value).
-    format: str = MISSING
-    max_train_conversations: int = MISSING
-    max_val_conversations: int = MISSING
-    max_seq_len: int = MISSING
-    # A Jinja chat template file that replaces the target's (as serving engines' --chat-template); null: the target's.
-    chat_template: Optional[str] = MISSING
-    # Extraction fails when a shard's loss tokens are a smaller fraction of its tokens than this.
-    min_loss_fraction: float = MISSING
-    regenerate: RegenerateConfig = MISSING
-    # hf: a Hugging Face `datasets` data set (conf/data/hf.yaml): a local file, folder or save_to_disk folder, a
-    # builder name ("json", "parquet") with data_files, or a hub name already in the local cache (never downloaded).
-    path: Optional[str] = None
-    subset: Optional[str] = None  # load_dataset's `name` (the data set's configuration)
-    data_files: Optional[list[str]] = None
-    revision: Optional[str] = None  # a hub data set's revision; keys the extraction (hub names have no file to hash)
-    train_split: str = "train"
-    val_split: Optional[str] = None  # null: a seeded val_fraction of the train split's rows
-    column: Optional[str] = None  # the column holding each row's turns; null: the layout's (messages, ...)
-    streaming: bool = True  # rows read as they are used: the data set is never whole in memory
-
-
-@dataclass
-class DraftConfig:
-    """The EAGLE-3 draft's shape. `hidden_size`/`intermediate_size`/vocab None: take the target's."""
-
-    num_aux_layers: int = MISSING
-    hidden_size: Optional[int] = MISSING
-    num_attention_heads: int = MISSING
-    num_key_value_heads: int = MISSING
-    head_dim: Optional[int] = MISSING
-    intermediate_size: Optional[int] = MISSING
-    draft_vocab_size: Optional[int] = MISSING
-    rms_norm_eps: float = MISSING
-    max_position_embeddings: Optional[int] = MISSING
-    torch_dtype: str = MISSING
-
-
-@dataclass
-class ExtractConfig:
-    layers: list[int] = MISSING
-    # Also capture these (e.g. the union of a sweep's aux_layers): sweep points then share one extraction
-    # and each training reads its own subset.
-    extra_layers: list[int] = MISSING
-    teacher: str = MISSING
-    dtype: str = MISSING
-    shard_conversations: int = MISSING
-    batch_size: int = MISSING
-    # Refuse, before any job, an extraction whose estimated size (extract_storage) exceeds this many bytes.
-    max_bytes: float = MISSING
-    # What the target computes in (auto: bfloat16 on GPUs, float32 on CPUs); `dtype` is what is stored.
-    precision: str = MISSING
-    # Extract every shard again, over an existing (e.g. corrupt) extraction of the same key.
-    force: bool = MISSING
-    # A collective that waits longer than this for a peer fails (the process group's timeout; the job's own time
-    # limit is far longer), so a rank that died or hangs ends a multi-task job in minutes.
-    collective_timeout_min: float = MISSING
-    resources: Resources = MISSING
-    # What computes the states: hf (transformers, in this project's environment) or vllm (vLLM's own extractor,
-    # `extract_hidden_states`, in its environment `python`: orchestrator/engines/vllm/side/capture.py).
-    engine: str = "hf"
-    python: Optional[str] = None
-    # extract.engine=vllm: more engine flags, as `vllm serve` takes them (checked by vLLM's own parser)
-    vllm_args: list[str] = MISSING
-
-
-@dataclass
-class TrainConfig:
-    layers: list[int] = MISSING
-    # A draft trained elsewhere (SGLang/SpecForge, vLLM or speculators format): the train stage imports it instead
-    # of training one, as reading `layers`, and eval and serve measure it like a trained draft. null: train.
-    from_draft: Optional[str] = None
-    ttt_steps: int = MISSING
-    epochs: int = MISSING
-    max_steps: Optional[int] = MISSING
-    batch_size: int = MISSING
-    lr: float = MISSING
-    min_lr_ratio: float = MISSING
-    warmup_ratio: float = MISSING
-    weight_decay: float = MISSING
-    beta1: float = MISSING
-    beta2: float = MISSING
-    grad_clip: float = MISSING
-    step_weight_decay: float = MISSING
-    # auto: bfloat16 autocast on GPUs (float32 master weights), float32 on CPUs.
-    precision: str = MISSING
-    checkpoint_every: int = MISSING
-    val_every: int = MISSING
-    log_every: int = MISSING
-    seed: int = MISSING
-    threads: Optional[int] = MISSING
-    # A collective that waits longer than this for a peer fails (the process group's timeout; the job's own time
-    # limit is far longer), so a rank that died or hangs ends a multi-task job in minutes.
-    collective_timeout_min: float = MISSING
-    resources: Resources = MISSING
-
-
-@dataclass
-class EvalConfig:
-    layers: list[int] = MISSING
-    draft_steps: int = MISSING
-    max_conversations: int = MISSING
-    prompts: int = MISSING
-    max_new_tokens: int = MISSING
-    acc_tolerance: float = MISSING
-    # What the target computes in (auto: bfloat16 on GPUs, float32 on CPUs); the draft runs in its config's dtype.
-    precision: str = MISSING
-    # A collective that waits longer than this for a peer fails (the process group's timeout; the job's own time
-    # limit is far longer), so a rank that died or hangs ends a multi-task job in minutes.
-    collective_timeout_min: float = MISSING
-    resources: Resources = MISSING
-
-
-@dataclass
-class ServeConfig:
-    layers: list[int] = MISSING
-    engine: str = MISSING
-    sglang_version: str = MISSING
-    # The vLLM version serving (serve.engine=vllm): its layer-id rule is recorded per version (orchestrator/layers.py).
-    vllm_version: str = MISSING
-    # Python of the separate serving environment (sglang and vLLM never live in the project's environment).
-    python: str = MISSING
-    # An engine to serve with instead when serve.python does not exist (the demo: vLLM where its environment was
-    # built, the reference engine elsewhere); null: none, a missing serve.python is an error. The summary says which.
-    fallback: Optional[str] = MISSING
-    num_steps: int = MISSING
-    eagle_topk: int = MISSING
-    num_draft_tokens: int = MISSING
-    tp_size: int = MISSING
-    mem_fraction_static: Optional[float] = MISSING
-    dtype: Optional[str] = MISSING
-    cuda_graph_max_bs_decode: Optional[int] = MISSING
-    extra_args: list[str] = MISSING
-    prompts: int = MISSING
-    max_new_tokens: int = MISSING
-    concurrency: list[int] = MISSING
-    # Passes over the prompt set per concurrency level; tok/s is the median pass (timing noise), and every
-    # pass must produce the same greedy outputs.
-    repeats: int = MISSING
-    startup_timeout_s: float = MISSING
-    # What one server start takes on the cluster (loading the target, building graphs), in minutes: what the layer
-    # search's dry run prices the server starts the cache saves at. None: starts are counted, not priced.
-    startup_estimate_min: Optional[float] = MISSING
-    request_timeout_s: float = MISSING
-    accept_length_tolerance: float = MISSING
-    # Where arithmetic is not exact (bf16; an engine that batches), the fraction of greedy output tokens that may
-    # differ with and without speculation before it is flagged; the reference engine in float32 must match exactly.
-    greedy_token_tolerance: float = MISSING
-    # Refuse to serve a draft whose config ids do not capture the layers it was trained on.
-    guard: bool = MISSING
-    # Measure again instead of taking the passes cached under the same key (outputs/cache/serve/; stages/serve.py).
-    force: bool = MISSING
-    threads: Optional[int] = MISSING
-    # The reference engine's target (auto: bfloat16 on GPUs, float32 on CPUs); SGLang is told `serve.dtype`.
-    precision: str = MISSING
-    # A collective that waits longer than this for a peer fails (the process group's timeout; the job's own time
-    # limit is far longer), so a rank that died or hangs ends a multi-task job in minutes.
-    collective_timeout_min: float = MISSING
-    resources: Resources = MISSING
-    # Set by `load` when serve.fallback replaced serve.engine: why (the summary and MLflow say so).
-    fallback_reason: Optional[str] = None
-
-    @property
-    def engine_version(self) -> str:
-        """The version whose layer-id rule applies: vLLM's for serve.engine=vllm, else SGLang's (the reference
-        engine reads SGLang's convention)."""
-        return engines.get(self.engine).version(self)
-
-    @property
-    def id_rules(self) -> str:
-        """Whose layer-id rules apply, for messages: 'vllm 0.32.0' or 'sglang 0.5.23'."""
-        return f"{engines.get(self.engine).convention} {self.engine_version}"
-
-
-@dataclass
-class ClusterConfig:
-    kind: str = MISSING
-    # Slurm site settings (ignored by local/debug).
-    partition: Optional[str] = MISSING
-    account: Optional[str] = MISSING
-    qos: Optional[str] = MISSING
-    constraint: Optional[str] = MISSING
-    setup: list[str] = MISSING
-    wait: bool = MISSING
-    # Memory of one of the site's GPUs: dry runs check that a target's weights fit the GPUs a task gets.
-    gpu_memory_gb: Optional[float] = MISSING
-    # One node's CPUs (hardware threads Slurm schedules), GPUs and memory (GB); null: not known. A dry run
-    # refuses a stage whose request exceeds one, before a chain is half-submitted and then rejected by sbatch.
-    cpus_per_node: Optional[int] = MISSING
-    gpus_per_node: Optional[int] = MISSING
-    mem_gb_per_node: Optional[float] = MISSING
-
-
-@dataclass
-class TrackingConfig:
-    uri: Optional[str] = MISSING
-    experiment: str = MISSING
-
-
-@dataclass
-class RootConfig:
-    aux_layers: list[int] = MISSING
-    stages: list[str] = MISSING
-    dry_run: bool = MISSING
-    # Run only the preflight checks (config, and any artifacts the run would use or `check_draft`) and report.
-    check: bool = MISSING
-    check_draft: Optional[str] = MISSING
-    run_name: str = MISSING
-    seed: int = MISSING
-    outputs_dir: str = MISSING
-    target: TargetConfig = MISSING
-    data: DataConfig = MISSING
-    draft: DraftConfig = MISSING
-    extract: ExtractConfig = MISSING
-    train: TrainConfig = MISSING
-    eval: EvalConfig = MISSING
-    serve: ServeConfig = MISSING
-    cluster: ClusterConfig = MISSING
-    tracking: TrackingConfig = MISSING
-
-    @property
-    def outputs(self) -> Path:
-        return Path(self.outputs_dir).resolve()
+from orchestrator.config.schema import (
+    CLUSTERS,
+    DATA_FORMATS,
+    DATA_SETS,
+    DTYPES,
+    HF_KEYS,
+    PRECISIONS,
+    REGENERATE_APIS,
+    REGENERATE_ENGINES,
+    STAGES,
+    ConfigError,
+    DataConfig,
+    RootConfig,
+    captured_layers,
+    check_speculative_args,
+    one_pass,
+    tasks_per_node,
+)
 
 
 def load(cfg: DictConfig | dict) -> RootConfig:
@@ -473,12 +163,9 @@ def validate(cfg: RootConfig) -> None:
         f"serve.fallback={s.fallback!r}: expected null or one of {serving}",
     )
     try:
-        layer_contract.to_engine_ids(s.engine, cfg.aux_layers, t.num_hidden_layers, t.family, s.engine_version)
+        engines.to_engine_ids(s.engine, cfg.aux_layers, t.num_hidden_layers, t.family, engines.engine_version(s))
     except layer_contract.LayerContractError as exc:
         raise ConfigError(f"aux_layers={cfg.aux_layers} cannot be served by serve.engine={s.engine}: {exc}") from None
-
-
-PRECISIONS = ("auto", "float32", "bfloat16")
 
 
 def check_resources(cfg: RootConfig, stage: str) -> None:
@@ -543,19 +230,6 @@ def check_resources(cfg: RootConfig, stage: str) -> None:
             f"train.batch_size={cfg.train.batch_size} over {tasks * r.nodes} ranks ({r.nodes} node(s) x {tasks} "
             "tasks): the global batch must split evenly between the ranks"
         )
-
-
-def tasks_per_node(cfg: RootConfig, stage: str) -> int:
-    """The stage's processes per node: its config's, or one per GPU for data-parallel stages (one on a CPU node),
-    one for eval and serve."""
-    r = getattr(cfg, stage).resources
-    if r.tasks_per_node is not None:
-        return r.tasks_per_node
-    return max(1, r.gpus_per_node) if stage in ("extract", "train") else 1
-
-
-def world_size(cfg: RootConfig, stage: str) -> int:
-    return getattr(cfg, stage).resources.nodes * tasks_per_node(cfg, stage)
 
 
 def check_data(d: DataConfig) -> None:
@@ -651,11 +325,6 @@ def check_extract_engine(cfg: RootConfig) -> None:
     engines.get(cfg.extract.engine).check_capture(cfg)
 
 
-def one_pass(cfg: RootConfig) -> bool:
-    """Whether vLLM answers each prompt and captures prompt plus answer in one request (extract.engine=vllm)."""
-    return cfg.data.regenerate.enabled and cfg.data.regenerate.engine == "one_pass"
-
-
 def check_regenerate(cfg: RootConfig) -> None:
     """data.regenerate's engine, endpoint and API; the endpoint's reachability is checked when it is first used."""
     from urllib.parse import urlsplit
@@ -715,43 +384,13 @@ def check_regenerate(cfg: RootConfig) -> None:
         engines.get(cfg.serve.engine).check_endpoint(cfg)  # the extract job starts serve.engine's server
 
 
-def check_speculative_args(s: ServeConfig) -> None:
-    """EAGLE's steps / topk / draft tokens as SGLang takes them; `validate` and the SGLang launcher both call it."""
-    if s.num_steps < 1:
-        raise ConfigError(f"serve.num_steps={s.num_steps}: expected >= 1")
-    if s.eagle_topk < 1:
-        raise ConfigError(f"serve.eagle_topk={s.eagle_topk}: expected >= 1")
-    if s.eagle_topk == 1 and s.num_draft_tokens != s.num_steps + 1:
-        raise ConfigError(
-            f"serve.num_draft_tokens={s.num_draft_tokens}: with serve.eagle_topk=1 SGLang silently replaces it by "
-            f"serve.num_steps+1={s.num_steps + 1}; set serve.num_draft_tokens={s.num_steps + 1} "
-            "so the config says what runs"
-        )
-    if s.num_draft_tokens < 2:
-        raise ConfigError(
-            f"serve.num_draft_tokens={s.num_draft_tokens}: expected >= 2 "
-            "(the verified root plus at least one draft token)"
-        )
-
-
-def extract_storage(cfg: RootConfig) -> dict[str, Any]:
-    """What the extract stage will write, at most: every conversation at `data.max_seq_len` tokens, each token
-    with K captured states and the teacher state of `target.hidden_size` in `extract.dtype`, plus its id and mask."""
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.extract.dtype]
-    states = len(captured_layers(cfg)) + 1
-    per_token = states * cfg.target.hidden_size * dtype_bytes + 5  # int32 id + uint8 loss mask
-    conversations = cfg.data.max_train_conversations + cfg.data.max_val_conversations
-    tokens = conversations * cfg.data.max_seq_len
-    return {
-        "conversations": conversations,
-        "max_tokens": tokens,
-        "states_per_token": states,
-        "bytes_per_token": per_token,
-        "max_bytes": tokens * per_token,
-        "limit_bytes": cfg.extract.max_bytes,
-    }
-
-
-def captured_layers(cfg: RootConfig) -> list[int]:
-    """What extraction captures: the stage's layers plus `extract.extra_layers`, ascending."""
-    return sorted(set(cfg.extract.layers) | set(cfg.extract.extra_layers))
+__all__ = [
+    "load",
+    "apply_fallback",
+    "validate",
+    "check_resources",
+    "check_data",
+    "check_hf_data",
+    "check_extract_engine",
+    "check_regenerate",
+]
