@@ -45,7 +45,7 @@ IN_FLIGHT_ASKS = 8
 
 @dataclass
 class SearchConfig:
-    """The `search` node (`conf/search/*.yaml`); values only in YAML, like every schema in `orchestrator/config/schema.py`."""
+    """The `search` node (`conf/search/*.yaml`); values only in YAML, like every schema in config/schema.py."""
 
     slots: list[list[int]] = MISSING
     candidates: Optional[list[int]] = MISSING

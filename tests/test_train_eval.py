@@ -233,6 +233,11 @@ def test_serving_in_bf16_holds_differing_tokens_to_the_tolerance(trained, tiny_c
     assert result["greedy_check"] == f"tolerance {cfg.serve.greedy_token_tolerance:g}"
     rate = result["greedy_differing_token_rate"]
     print(f"bf16 reference engine, {cfg.serve.prompts} prompts x {cfg.serve.max_new_tokens} tokens: {rate:.2%} differ")
+    # both servers computed the target in bf16 (a server left in float32 would agree exactly and prove nothing); at
+    # this size the rate itself is 0 (measured: 0 of 64 tokens, and 0 of 192 at 8 prompts x 24), so the test holds
+    # the dtype the servers report, and the flag to the rate
+    servers = json.loads((serve_plan.dir("serve") / "serve.json").read_text())["servers"]
+    assert [servers[m]["server_info"]["dtype"] for m in ("baseline", "speculative")] == ["bfloat16", "bfloat16"]
     assert 0.0 <= rate <= 1.0 and result["compute"]["dtype"] == "bfloat16"
     assert (rate > cfg.serve.greedy_token_tolerance) == any(
         "greedy_token_tolerance" in f for f in result["mismatch_flags"]

@@ -191,6 +191,8 @@ class Engine:
             "speculative_algorithm": "EAGLE3" if self.draft is not None else None,
             "speculative_num_steps": self.steps if self.draft is not None else None,
             "aux_layers_captured": self.layers,
+            # what the target computes in (--dtype): a bf16 server's verify passes and decode steps round differently
+            "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
             "phase_ms": phase_ms,
             "engine": "orchestrator-reference",
             # the project's own version; the id rule it applies is SGLang's at --sglang-version (the summary's id_rules)
