@@ -62,7 +62,7 @@ def test_the_reference_server_reads_a_draft_config_in_sglangs_ids(fast_cache, ti
     from orchestrator.pipeline import make_plan
 
     cfg = tiny_config()
-    fast_cache("train")
+    fast_cache("extract", "train")
     plan = make_plan(cfg, tmp_path / "run")
     trained, target, n = plan.dir("train") / "draft", Path(plan.target_dir), cfg.target.num_hidden_layers
     conf = json.loads((trained / "config.json").read_text())

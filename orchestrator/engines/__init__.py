@@ -11,14 +11,19 @@ API (cli.py), its capture (capture.py), its id rule (ids.py) and the scripts tha
 sglang's command line (cli.py); the reference engine's server (server.py). The HTTP client every server is spoken
 to with is engines/client.py; the draft guard is the drafts' (orchestrator/draft/guard.py).
 
-An engine is what the stages ask, never a name they compare:
-    launch       `launch_command`, `server_env`, `check_command` (its own parser), `check_config`
+An engine is what the stages ask, never a name they compare. Every engine (`Engine`) has
     id rule      `version` (the version whose rule applies) and `id_rule(family, version)`: which target state
                  each id of a draft config or capture request names (the rules are orchestrator/layers.py's)
+    version      `installed_version`, `check_installed`: the engine as installed in its own environment
+and it plays its roles by its classes:
+  `Serving` (serve.engine)
+    launch       `launch_command`, `server_env`, `check_command` (its own parser), `check_config`
     draft check  `check_draft`: the engine's own loader on an exported draft, before the draft's server starts
-    capture      `check_capture`, `capture_record`, `open_capture`: the target's states for the extract stage
     statistics   `request`, `benchmark` (tok/s and the accept length as the engine counts it), `server_info`,
                  `exact` (whether greedy outputs with and without the draft must agree token for token)
+  `Capturing` (extract.engine)
+    capture      `check_capture`, `capture_key`, `capture_record`, `capture_ids`, `open_capture`: the target's
+                 states for the extract stage
 
 Adding an engine is one package here whose __init__ sets `ENGINE`, and, for serving, one file
 conf/serve/<name>.yaml.
@@ -61,10 +66,11 @@ class Capture(Protocol):
 
 
 class Engine:
-    """The interface. A method an engine does not implement raises EngineError naming it and the role."""
+    """What every engine has: its name, its id convention and rule, its environment and installed version. An
+    engine plays its roles by its classes: `Serving` (serve.engine), `Capturing` (extract.engine), or both; asked
+    for a method of a role it does not play, it raises EngineError naming the role."""
 
     name: str = ""
-    roles: tuple[str, ...] = ()
     # Whose id convention a draft config for this engine is written in: two engines of one convention take the
     # same exported draft, of two conventions they do not (the reference engine reads SGLang's).
     convention: str | None = None
@@ -72,17 +78,23 @@ class Engine:
     env_script: str | None = None
     # Whether it loads a quantized checkpoint as shipped (HF transformers cannot: its experts would stay random).
     loads_quantized: bool = False
-    # Whether its capture can answer each prompt and capture prompt plus answer in one request (one_pass).
-    generates: bool = False
-    # Whether `check_draft` asks the engine's own loader (else it has nothing to ask and returns None).
-    checks_drafts: bool = False
     # The distributions whose installed version is the engine's (importlib.metadata names; the first found wins).
     distributions: tuple[str, ...] = ()
     # The serve.* key that pins the version whose id rule applies.
     version_key: str | None = None
 
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(role for role, cls in ((SERVE, Serving), (CAPTURE, Capturing)) if isinstance(self, cls))
+
     def _missing(self, what: str) -> EngineError:
         return EngineError(f"engine {self.name!r} has no {what} (roles: {', '.join(self.roles) or 'none'})")
+
+    def __getattr__(self, name: str):  # only for names the engine's classes do not define
+        for role, cls in ((SERVE, Serving), (CAPTURE, Capturing)):
+            if name in vars(cls):
+                raise self._missing(f"{role} ({name})")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------------------------------- the id rule
     def version(self, serve: ServeConfig) -> str | None:
@@ -135,6 +147,14 @@ class Engine:
             raise ConfigError(f"{python_key}={python} holds {self.name} {installed}: {exc}") from None
         return installed
 
+
+class Serving(Engine):
+    """The serving role (serve.engine): its launch command and environment, its own loader's check of a draft, its
+    request API and statistics."""
+
+    # Whether `check_draft` asks the engine's own loader (else it has nothing to ask and returns None).
+    checks_drafts: bool = False
+
     # ---------------------------------------------------------------------------------------- launch
     def check_config(self, cfg: RootConfig) -> None:
         """The serve.* keys as this engine takes them; raises ConfigError naming the key."""
@@ -182,10 +202,15 @@ class Engine:
         """Whether greedy outputs with and without speculation must agree token for token."""
         return False
 
-    # ------------------------------------------------------------------------------------------ capture
+
+class Capturing(Engine):
+    """The capture role (extract.engine): the target's states for the extract stage, and what they depend on."""
+
+    # Whether its capture can answer each prompt and capture prompt plus answer in one request (one_pass).
+    generates: bool = False
+
     def check_capture(self, cfg: RootConfig) -> None:
         """extract.* as this engine captures, before any job; raises ConfigError naming the key."""
-        raise self._missing("capture")
 
     def capture_key(self, cfg: RootConfig, extract: dict[str, Any]) -> dict[str, Any]:
         """The extract stage's cache-key subtree, with what this engine's capture depends on."""
@@ -197,10 +222,10 @@ class Engine:
 
     def capture_ids(self, cfg: RootConfig, layers: list[int]) -> dict[str, Any]:
         """The plan's extract row: the ids the capture uses, in its own convention."""
-        raise self._missing("capture")
+        raise NotImplementedError
 
     def open_capture(self, cfg: RootConfig, job: CaptureJob) -> Capture:
-        raise self._missing("capture")
+        raise NotImplementedError
 
     def print_capture(self, cfg: RootConfig, plan) -> None:
         """The dry run: what each extract task will run, checked where the engine can check it."""

@@ -8,16 +8,15 @@ import torch
 
 from orchestrator import layers as layer_contract
 from orchestrator.capture import HiddenStateCapture, base_model
-from orchestrator.engines import CAPTURE, CaptureJob, Engine
+from orchestrator.engines import CaptureJob, Capturing
 from orchestrator.layers import LayerContractError
 from orchestrator.states.assemble import Assembler
 from orchestrator.states.shards import pack
 from orchestrator.targets import load_target
 
 
-class HF(Engine):
+class HF(Capturing):
     name = "hf"
-    roles = (CAPTURE,)
 
     def id_rule(self, family, version):
         raise LayerContractError("HF capture uses hook points, not ids: see layers.hf_capture_point")

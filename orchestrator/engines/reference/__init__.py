@@ -9,13 +9,12 @@ import sys
 
 from orchestrator.compute import resolve_precision
 from orchestrator.config.schema import ConfigError
-from orchestrator.engines import SERVE, Engine
+from orchestrator.engines import Serving
 from orchestrator.engines.sglang import SGLang, sglang_rule
 
 
-class Reference(Engine):
+class Reference(Serving):
     name = "reference"
-    roles = (SERVE,)
     convention = "sglang"
 
     def version(self, serve):

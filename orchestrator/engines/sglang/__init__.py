@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from orchestrator import families
 from orchestrator import layers as layer_contract
-from orchestrator.engines import SERVE, Engine, client
+from orchestrator.engines import Serving, client
 from orchestrator.engines.sglang import cli
 from orchestrator.layers import IdRule, LayerContractError
 
@@ -59,9 +59,8 @@ def sglang_config_ids(conf, num_layers):
     return [("-", f"no ids: captures before layers [2, {n // 2}, {n - 3}]", [1, n // 2 - 1, n - 4])]
 
 
-class SGLang(Engine):
+class SGLang(Serving):
     name = "sglang"
-    roles = (SERVE,)
     convention = "sglang"
     env_script = "scripts/make_sglang_env.sh"
     loads_quantized = True

@@ -9,15 +9,14 @@ import shlex
 from pathlib import Path
 
 from orchestrator.config.schema import ConfigError, captured_layers, one_pass, tasks_per_node
-from orchestrator.engines import CAPTURE, SERVE, CaptureJob, Engine
+from orchestrator.engines import CaptureJob, Capturing, Serving
 from orchestrator.engines.vllm import capture, cli
 from orchestrator.engines.vllm.ids import capture_ids, vllm_config_ids, vllm_rule
 from orchestrator.layers import LayerContractError
 
 
-class VLLM(Engine):
+class VLLM(Serving, Capturing):
     name = "vllm"
-    roles = (SERVE, CAPTURE)
     convention = "vllm"
     env_script = "scripts/make_vllm_env.sh"
     loads_quantized = True
