@@ -7,6 +7,8 @@ entry. Adding a family is one entry here (and its rules in each engine, if its c
                        (orchestrator/engines/sglang, orchestrator/engines/vllm/ids.py)
     wrapper            the multimodal architecture its checkpoint is saved in (orchestrator/wrappers.py), whose
                        text model's weights carry a prefix; None for a plain causal LM
+    head_tensors       the names (suffixes, after a wrapper's prefix) of the input embedding, final norm and lm_head
+                       in its checkpoint: what training's teacher head and an imported draft's embedding read
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 LOOPS = ("llama", "deepseek")
+# HF's names in a Llama or DeepSeek-V3 checkpoint (and in Kimi-K2.5's text model, under `language_model.`)
+HF_HEAD_TENSORS = (("embed", "embed_tokens.weight"), ("norm", "model.norm.weight"), ("lm_head", "lm_head.weight"))
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,7 @@ class Family:
     text_architecture: str
     decoder_loop: str
     wrapper: str | None = None
+    head_tensors: tuple[tuple[str, str], ...] = HF_HEAD_TENSORS
 
 
 FAMILIES = {

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator import compute as compute_mod
+from orchestrator import families
 from orchestrator.artifacts import ArtifactError, dir_fingerprint, stable_hash
 
 if TYPE_CHECKING:
@@ -199,8 +200,9 @@ def target_config_json(path: Path) -> dict[str, Any]:
     return conf.get("text_config", conf)
 
 
-def load_head_tensors(path: Path) -> dict[str, "torch.Tensor"]:
-    """The target's input embedding, final norm and lm_head weights, read by name without loading the model.
+def load_head_tensors(path: Path, family: str | None = None) -> dict[str, "torch.Tensor"]:
+    """The target's input embedding, final norm and lm_head weights, read by name without loading the model: the
+    names of `family`'s spec (orchestrator/families.py; HF's where no family is given).
 
     Returns keys `embed`, `norm`, `lm_head` (float32); `lm_head` falls back to `embed` for tied embeddings. In a
     wrapper checkpoint only the text model's weights (`language_model.*` for Kimi-K2.5) are candidates.
@@ -212,7 +214,7 @@ def load_head_tensors(path: Path) -> dict[str, "torch.Tensor"]:
     has_config = (Path(path) / "config.json").exists()
     wrapper = wrappers.wrapper_of(wrappers.read_config(path)) if has_config else None
     prefix = wrapper.prefix if wrapper else ""
-    wanted = {"embed": "embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+    wanted = dict(families.FAMILIES[family].head_tensors if family else families.HF_HEAD_TENSORS)
     found: dict[str, torch.Tensor] = {}
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:

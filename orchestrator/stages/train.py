@@ -303,7 +303,7 @@ def build_draft(
     )
     torch.manual_seed(cfg.train.seed)
     draft = Eagle3Draft(shape)
-    tensors = load_head_tensors(target_path)
+    tensors = load_head_tensors(target_path, cfg.target.family)
     if shape.hidden_size != cfg.target.hidden_size:
         raise ValueError(
             f"draft.hidden_size={shape.hidden_size}: the draft shares the target's embedding, "

@@ -35,7 +35,8 @@ class VLLMCapture:
         self.files, self.work = capture_all(cfg, job, self.tokenizer)
         self.layers = len(job.layers)
         # vLLM captures the last layer's output (id N) before the final norm: the assembler norms it for post_norm
-        norm = load_head_tensors(job.target_path)["norm"] if cfg.extract.teacher == "post_norm" else None
+        post_norm = cfg.extract.teacher == "post_norm"
+        norm = load_head_tensors(job.target_path, cfg.target.family)["norm"] if post_norm else None
         eps = target_config_json(job.target_path).get("rms_norm_eps", 1e-6)
         self.assemble = Assembler(cfg.extract.dtype, norm, eps)
 
