@@ -101,24 +101,29 @@ ECHO = """\
 """
 
 
-@pytest.fixture
-def echo_engine(tmp_path, monkeypatch):
+def added_engine(tmp_path, monkeypatch, name: str, code: str, group: str, yaml: str):
     """An engine added as the guide says: one package (here in a folder on the engines package's path) and one YAML
-    file (conf/serve/echo.yaml, here in a folder on Hydra's search path)."""
-    package = tmp_path / "engines" / "echo"
+    file (conf/<group>/<name>.yaml, here in a folder on Hydra's search path). Yields the overrides that select it."""
+    package = tmp_path / "engines" / name
     package.mkdir(parents=True)
-    (package / "__init__.py").write_text(textwrap.dedent(ECHO))
+    (package / "__init__.py").write_text(textwrap.dedent(code))
     monkeypatch.setattr(engines, "__path__", [*engines.__path__, str(package.parent)])
     engines._modules.cache_clear()
     engines.get.cache_clear()
     search = tmp_path / "conf"
-    (search / "serve").mkdir(parents=True)
-    yaml = (conf_dir() / "serve" / "reference.yaml").read_text().replace("engine: reference", "engine: echo")
-    (search / "serve" / "echo.yaml").write_text(yaml)
-    yield [f"hydra.searchpath=[file://{search}]", "serve=echo"]
+    (search / group).mkdir(parents=True)
+    (search / group / f"{name}.yaml").write_text(yaml)
+    yield [f"hydra.searchpath=[file://{search}]", f"{group}={name}"]
     engines._modules.cache_clear()
     engines.get.cache_clear()
-    sys.modules.pop("orchestrator.engines.echo", None)
+    sys.modules.pop(f"orchestrator.engines.{name}", None)
+
+
+@pytest.fixture
+def echo_engine(tmp_path, monkeypatch):
+    """A serving engine: the package ECHO and conf/serve/echo.yaml, the reference engine's with its name."""
+    yaml = (conf_dir() / "serve" / "reference.yaml").read_text().replace("engine: reference", "engine: echo")
+    yield from added_engine(tmp_path, monkeypatch, "echo", ECHO, "serve", yaml)
 
 
 def test_an_engine_added_as_one_package_and_one_yaml_is_planned_and_launched(echo_engine, tiny_config, tmp_path):
@@ -156,21 +161,10 @@ MIRROR = """\
 
 @pytest.fixture
 def mirror_engine(tmp_path, monkeypatch):
-    """A capture engine added the same way: one package, and one YAML file (conf/extract/mirror.yaml: the default
-    extraction with its engine)."""
-    package = tmp_path / "engines" / "mirror"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text(textwrap.dedent(MIRROR))
-    monkeypatch.setattr(engines, "__path__", [*engines.__path__, str(package.parent)])
-    engines._modules.cache_clear()
-    engines.get.cache_clear()
-    search = tmp_path / "conf"
-    (search / "extract").mkdir(parents=True)
-    (search / "extract" / "mirror.yaml").write_text("defaults:\n  - default\n  - _self_\nengine: mirror\n")
-    yield [f"hydra.searchpath=[file://{search}]", "extract=mirror"]
-    engines._modules.cache_clear()
-    engines.get.cache_clear()
-    sys.modules.pop("orchestrator.engines.mirror", None)
+    """A capture engine added the same way: the package MIRROR, and conf/extract/mirror.yaml, the default
+    extraction with its engine."""
+    yaml = "defaults:\n  - default\n  - _self_\nengine: mirror\n"
+    yield from added_engine(tmp_path, monkeypatch, "mirror", MIRROR, "extract", yaml)
 
 
 def test_a_capture_engine_added_as_one_package_and_one_yaml_plans_an_extraction(mirror_engine, tiny_config, tmp_path):
