@@ -228,7 +228,14 @@ def test_serving_in_bf16_holds_differing_tokens_to_the_tolerance(trained, tiny_c
     _, plan = trained
     # bf16 matmuls on a CPU are slow, on a busy one very slow: few prompts and tokens are enough for a rate
     cfg = tiny_config("serve.precision=bfloat16", "serve.prompts=4", "serve.max_new_tokens=16")
-    serve_plan = dataclasses.replace(plan, stage_dirs={**plan.stage_dirs, "serve": str(tmp_path / "serve")})
+    # the servers' measurement keys are this config's (bf16), not the trained plan's: under the float32 keys the
+    # serve stage would take a float32 measurement an earlier test cached, and measure nothing
+    keys = make_plan(cfg, tmp_path / "bf16").stage_keys
+    assert keys["serve_baseline"] != plan.stage_keys["serve_baseline"]
+    serve_keys = {k: keys[k] for k in ("serve_baseline", "serve_speculative")}
+    serve_plan = dataclasses.replace(
+        plan, stage_dirs={**plan.stage_dirs, "serve": str(tmp_path / "serve")}, stage_keys=plan.stage_keys | serve_keys
+    )
     result = run_stage("serve", cfg, serve_plan, _tracker(plan, "serve-bf16").run_id)
     assert result["greedy_check"] == f"tolerance {cfg.serve.greedy_token_tolerance:g}"
     rate = result["greedy_differing_token_rate"]
