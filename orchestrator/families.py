@@ -28,6 +28,10 @@ class Family:
     wrapper: str | None = None
     head_tensors: tuple[tuple[str, str], ...] = HF_HEAD_TENSORS
 
+    def __post_init__(self) -> None:  # an entry whose loop no engine has a rule for fails where it is written
+        if self.decoder_loop not in LOOPS:
+            raise ValueError(f"family {self.name!r}: decoder_loop={self.decoder_loop!r}, expected one of {LOOPS}")
+
 
 FAMILIES = {
     f.name: f

@@ -217,3 +217,5 @@ def test_a_family_added_as_one_entry_is_accepted_and_each_engine_applies_its_loo
     monkeypatch.setitem(families.FAMILIES, "mistral", families.Family("mistral", "MistralForCausalLM", "deepseek"))
     assert engines.get("sglang").id_rule("mistral", "0.5.23") is layer_contract.SGLANG_FIRST_ID
     assert engines.get("vllm").id_rule("mistral", "0.32.0") is layer_contract.VLLM_DEEPSEEK
+    with pytest.raises(ValueError, match=r"family 'mistral': decoder_loop='mamba', expected one of \('llama'"):
+        families.Family("mistral", "MistralForCausalLM", "mamba")
