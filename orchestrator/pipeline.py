@@ -82,6 +82,8 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     extract.pop("force")  # how, not what: the same shards again
     extract.pop("python")  # where vLLM lives; its version is the engine's (below)
     extract = engines.get(cfg.extract.engine, engines.CAPTURE).capture_key(cfg, extract)
+    if cfg.train.states == "stream":  # the train split's shards hold its token ids alone
+        extract["train_states"] = "stream"
     data = _subtree(cfg, "data")
     # a user's file edited in place is another data set: its content, not its path, keys the extraction
     data["file_sha256"] = [file_sha256(Path(f)) for f in [*cfg.data.train_files, *cfg.data.val_files]]
@@ -102,6 +104,9 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
         {"target": target, "data": data, "extract": extract, "seed": cfg.seed, "code": CODE_VERSION["extract"]}
     )
     train = _subtree(cfg, "train")
+    train.pop("stream")  # how the states travel (buffer, spool, timeout), not what they are
+    if cfg.train.states == "offline":  # the keys of drafts trained before streaming existed stay the same
+        train.pop("states")
     if cfg.train.from_draft is None:  # the keys of drafts trained before imports existed stay the same
         train.pop("from_draft")
     else:  # an imported draft is its files' content, not its folder's name

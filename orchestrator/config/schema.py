@@ -176,6 +176,16 @@ class ExtractConfig:
 
 
 @dataclass
+class StreamConfig:
+    # how far the capture service may run ahead of the trainer: the spool's bytes (one sequence always fits)
+    buffer_bytes: int = MISSING
+    # the folder the states pass through; null: <train stage folder>/stream (/dev/shm on one node is memory)
+    spool: Optional[str] = MISSING
+    # a trainer waiting for a state fails when the service has given no sign of life for this long
+    stall_timeout_s: float = MISSING
+
+
+@dataclass
 class TrainConfig:
     layers: list[int] = MISSING
     # A draft trained elsewhere (SGLang/SpecForge, vLLM or speculators format): the train stage imports it instead
@@ -203,6 +213,10 @@ class TrainConfig:
     # A collective that waits longer than this for a peer fails (the process group's timeout; the job's own time
     # limit is far longer), so a rank that died or hangs ends a multi-task job in minutes.
     collective_timeout_min: float = MISSING
+    # offline: the train split's states are read from the extraction's shards; stream: a capture service computes
+    # them as training asks (orchestrator/states/stream.py) and the extraction keeps the token ids alone.
+    states: str = MISSING
+    stream: StreamConfig = MISSING
     resources: Resources = MISSING
 
 

@@ -74,6 +74,27 @@ def apply_fallback(cfg: RootConfig) -> None:
         s.python, s.extra_args, s.dtype = "python", [], None  # the project's own environment takes no engine flags
 
 
+def check_stream(cfg: RootConfig) -> None:
+    """train.states and its stream: what is built (HF's capture as the service, one node) and sane bounds."""
+    t = cfg.train
+    if t.states not in ("offline", "stream"):
+        raise ConfigError(f"train.states={t.states!r}: expected offline or stream")
+    if t.states == "offline":
+        return
+    if cfg.extract.engine != "hf":
+        raise ConfigError(
+            f"train.states=stream with extract.engine={cfg.extract.engine}: the capture service runs HF's capture "
+            "(the engine a tiny target's extraction uses); vLLM as the service is not built yet. Use extract.engine=hf "
+            "or train.states=offline"
+        )
+    if t.from_draft is not None:
+        raise ConfigError("train.states=stream with train.from_draft: an imported draft is not trained, set one")
+    if t.stream.buffer_bytes < 1:
+        raise ConfigError(f"train.stream.buffer_bytes={t.stream.buffer_bytes}: expected >= 1")
+    if t.stream.stall_timeout_s <= 0:
+        raise ConfigError(f"train.stream.stall_timeout_s={t.stream.stall_timeout_s}: expected > 0")
+
+
 def validate(cfg: RootConfig) -> None:
     """Cross-field checks, each failing with the key, the value and what is allowed."""
 
@@ -125,6 +146,7 @@ def validate(cfg: RootConfig) -> None:
     check_extract_engine(cfg)
     check(cfg.draft.torch_dtype in DTYPES, f"draft.torch_dtype={cfg.draft.torch_dtype!r}: expected one of {DTYPES}")
     check(cfg.train.ttt_steps >= 1, f"train.ttt_steps={cfg.train.ttt_steps}: expected >= 1")
+    check_stream(cfg)
     if cfg.train.from_draft is not None:
         imported = Path(cfg.train.from_draft).expanduser().resolve()
         check(

@@ -25,7 +25,15 @@ from orchestrator.config import RootConfig, captured_layers
 from orchestrator.data import Rendered, conversations, data_identity
 from orchestrator.engines import CaptureJob
 from orchestrator.regenerate import Endpoint, keep_regenerated, read_regenerated, regenerate, sequences
-from orchestrator.states.shards import CONVENTIONS, VERIFIED, read_record, shard_done, token_counts, write_shard
+from orchestrator.states.shards import (
+    CONVENTIONS,
+    VERIFIED,
+    pack_tokens,
+    read_record,
+    shard_done,
+    token_counts,
+    write_shard,
+)
 from orchestrator.targets import ensure_target, identity, load_tokenizer, template_source
 
 # Regenerated responses shorter than this on average (tokens) get a warning: a target that stops at once.
@@ -57,7 +65,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     done = _join_ranks(out, compute, mine_done, heartbeat)
     if not compute.is_main:
         return {}
-    splits = {split: _split_record(out, split, len(chunks)) for split, chunks in shards.items()}
+    splits = {split: _split_record(out, split, len(chunks), streamed(cfg, split)) for split, chunks in shards.items()}
     with atomic_path(out / "token_freq.safetensors") as tmp:
         save_file({"counts": token_counts(out, splits["train"]["shards"], target.vocab_size)}, str(tmp))
     _warn_if_short(cfg, splits["train"]["loss_tokens_per_sequence"])
@@ -128,12 +136,22 @@ def _extract_shards(
         sequences = _sequences(capture.model, capture.tokenizer, shards[split][index], split, index, out, cfg)
         regenerate_s += time.time() - begin if cfg.data.regenerate.enabled else 0.0
         check_loss_fraction(sequences, cfg, f"{split} shard {index}", target_path)
+        if streamed(cfg, split):  # the token ids alone: the capture service computes the states as training asks
+            write_shard(out, split, index, pack_tokens(sequences))
+            continue
         tokens += write_shard(out, split, index, capture.shard(split, index, sequences))["num_tokens"]
     return tokens, regenerate_s
 
 
-def _split_record(out: Path, split: str, shards: int) -> dict[str, Any]:
-    """A split's shard records (every rank's) and its counts, for the manifest."""
+def streamed(cfg: RootConfig, split: str) -> bool:
+    """Whether the split's states are streamed to training (train.states=stream: the train split) rather than
+    stored."""
+    return cfg.train.states == "stream" and split == "train"
+
+
+def _split_record(out: Path, split: str, shards: int, tokens_only: bool) -> dict[str, Any]:
+    """A split's shard records (every rank's) and its counts, for the manifest; `states: false` where the shards
+    hold token ids only (a streamed split)."""
     records = [read_record(out, split, i) for i in range(shards)]
     loss_tokens = sum(r["num_loss_tokens"] for r in records)
     sequences = sum(r["num_sequences"] for r in records)
@@ -143,7 +161,7 @@ def _split_record(out: Path, split: str, shards: int) -> dict[str, Any]:
         "num_sequences": sequences,
         "num_loss_tokens": loss_tokens,
         "loss_tokens_per_sequence": loss_tokens / max(sequences, 1),
-    }
+    } | ({"states": False} if tokens_only else {})
 
 
 def _warn_if_short(cfg: RootConfig, per_seq: float) -> None:
@@ -162,14 +180,15 @@ def _result(out: Path, compute: Compute, splits: dict[str, Any], done: list[dict
     extracted_now = sum(d["tokens"] for d in done)
     seconds, regenerate_s = max(d["seconds"] for d in done), max(d["regenerate_s"] for d in done)
     total_tokens = splits["train"]["num_tokens"] + splits["val"]["num_tokens"]
-    total_bytes = sum(s["bytes"] for sp in splits.values() for s in sp["shards"])
+    stored = [sp for sp in splits.values() if sp.get("states", True)]  # a streamed split's shards hold token ids
+    total_bytes = sum(s["bytes"] for sp in stored for s in sp["shards"])
     result = {
         "tokens": total_tokens,
         "tokens_extracted_now": extracted_now,
         # hidden-state extraction alone, over all ranks; the target's own responses took `regenerate_s` before it
         "tokens_per_s": extracted_now / max(float(seconds - regenerate_s), 1e-9) if extracted_now else 0.0,
         "regenerate_s": float(regenerate_s),
-        "bytes_per_token": total_bytes / max(total_tokens, 1),
+        "bytes_per_token": total_bytes / max(sum(sp["num_tokens"] for sp in stored), 1),
         "loss_tokens_per_sequence": splits["train"]["loss_tokens_per_sequence"],
         "output": str(out),
         "compute": compute.describe(),

@@ -30,6 +30,7 @@ from orchestrator.states.assemble import rms_norm
 from orchestrator.states.manifest import load_manifest_checked
 from orchestrator.states.shards import SequenceStates, load_split, verify_shards
 from orchestrator.states.source import StateSource, step_indices
+from orchestrator.states.stream import open_stream
 from orchestrator.targets import load_head_tensors, target_config_json, tokenizer_hash
 
 
@@ -335,18 +336,28 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     if tc.from_draft is not None:
         return import_draft(cfg, plan, manifest, target_path) if compute.is_main else {}
     verify_shards(extract_dir, manifest, compute)
-    train_seqs = load_split(extract_dir, manifest, "train", list(tc.layers), verify=False)
     val_seqs = load_split(extract_dir, manifest, "val", list(tc.layers), verify=False)
     draft, head = build_draft(cfg, target_path, extract_dir, manifest)
     loop = _Loop(cfg, compute, draft, head, out / "checkpoints" / "latest.pt")
+    total = loop.total(len(load_split(extract_dir, manifest, "train", verify=False, tokens_only=True)))
+    loop.resume(total)
     # a layer search's pruner may stop the trial (asked by rank 0 alone, its answer shared); else a no-op
     report_to_search = pruning.reporter(plan) if compute.is_main else (lambda _step, _val: None)
-    history = loop.run(train_seqs, val_seqs, tracker, report_to_search)
+    if tc.states == "stream":  # a capture service computes the states from the step the loop resumes at
+        train_seqs = open_stream(cfg, plan, manifest, list(tc.layers), compute, loop.step, total)
+    else:
+        train_seqs = load_split(extract_dir, manifest, "train", list(tc.layers), verify=False)
+    try:
+        history = loop.run(train_seqs, val_seqs, total, tracker, report_to_search)
+    finally:
+        train_seqs.close()
     final = history[-1] if history else loop.validate(val_seqs)
     if not compute.is_main:
         return {}
     result = export_draft(cfg, plan, draft, manifest, target_path, final, tc.ttt_steps)
     result["compute"] = compute.describe()
+    if tc.states == "stream":
+        result["stream"] = _stream_report(cfg, train_seqs, tracker)
     write_json(out / "metrics.json", {"history": history, "final": final})
     plot = plot_accuracy(final, tc.ttt_steps, out / "accuracy_by_position.png")
     tracker.artifact(plot, "train")
@@ -354,6 +365,19 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         out, {"stage": "train", "key": plan.stage_keys["train"], "extract_key": manifest["key"], "result": result}
     )
     return result
+
+
+def _stream_report(cfg: RootConfig, stream, tracker) -> dict[str, Any]:
+    """What streaming cost this training, printed and logged: the trainer's wait, the capture rate, and the spool's
+    peak against its bound."""
+    report = stream.report() | {"buffer_bytes": cfg.train.stream.buffer_bytes}
+    print(
+        f"[train] stream: waited {report['wait_s']:.1f} s for states; captured {report['captured_tokens']} tokens at "
+        f"{report['capture_tokens_per_s']:.0f} tokens/s; spool peak {report['peak_spool_bytes']} bytes "
+        f"(train.stream.buffer_bytes={report['buffer_bytes']})"
+    )
+    tracker.metrics({k: float(v) for k, v in report.items()}, prefix="train/stream_")
+    return report
 
 
 def _check_tokenizer(extract_dir: Path, manifest: dict[str, Any], target_path: Path) -> None:
@@ -410,12 +434,14 @@ class _Loop:
             self.draft_steps, self.compute,
         )  # fmt: skip
 
-    def run(self, train_seqs: StateSource, val_seqs: StateSource, tracker, report_to_search) -> list[dict]:
-        """Trains to the last step; returns the validation history. `report_to_search(step, val)` may stop a
-        layer search's trial after a validation."""
+    def total(self, sequences: int) -> int:
+        """The run's global steps: train.max_steps, or its epochs over `sequences`."""
+        return self.tc.max_steps or self.tc.epochs * math.ceil(sequences / self.tc.batch_size)
+
+    def run(self, train_seqs: StateSource, val_seqs: StateSource, total: int, tracker, report_to_search) -> list[dict]:
+        """Trains from the resumed step to `total`; returns the validation history. `report_to_search(step, val)`
+        may stop a layer search's trial after a validation."""
         tc, compute = self.tc, self.compute
-        total = tc.max_steps or tc.epochs * math.ceil(len(train_seqs) / tc.batch_size)
-        self.resume(total)
         model = TrainStep(self.draft)
         if compute.distributed:
             model = torch.nn.parallel.DistributedDataParallel(

@@ -7,6 +7,10 @@ An extraction folder (content-addressed by the plan's cache key):
     token_freq.safetensors                counts int64[V] of loss-masked train tokens (for the draft vocabulary)
     manifest.json                         written last (`orchestrator.stages.extract`)
 
+With `train.states=stream` the train split's shards hold the token ids alone (`input_ids`, `loss_mask`, `seq_lens`;
+`pack_tokens`): the states are computed by a capture service as training asks for them
+(orchestrator/states/stream.py), and the manifest's train split says `"states": false`.
+
 Positions are stored unshifted (position t holds the states computed at token t); the trainer applies the EAGLE
 shift (`CONVENTIONS`, which the manifest records).
 """
@@ -53,6 +57,15 @@ def pack(sequences: list[SequenceStates]) -> dict[str, torch.Tensor]:
         "seq_lens": torch.tensor([len(s.input_ids) for s in sequences], dtype=torch.int32),
         "aux_hidden_states": torch.cat([s.aux for s in sequences]).contiguous(),
         "teacher_hidden_state": torch.cat([s.teacher for s in sequences]).contiguous(),
+    }
+
+
+def pack_tokens(sequences) -> dict[str, torch.Tensor]:
+    """A token-only shard's tensors (a streamed split's): the rendered sequences' ids and loss masks, end to end."""
+    return {
+        "input_ids": torch.tensor([t for s in sequences for t in s.input_ids], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for s in sequences for m in s.loss_mask], dtype=torch.uint8),
+        "seq_lens": torch.tensor([len(s.input_ids) for s in sequences], dtype=torch.int32),
     }
 
 
@@ -117,20 +130,28 @@ def verify_shards(folder: Path, manifest: dict[str, Any], compute: Compute) -> N
             trusted = False
         if not trusted:
             for split in ("train", "val"):
-                load_split(folder, manifest, split, verify=True)  # raises naming the first bad shard
+                load_split(folder, manifest, split, verify=True, tokens_only=True)  # raises naming the first bad shard
             write_json(folder / VERIFIED, stamp)
     compute.barrier()
 
 
 def load_split(
-    folder: Path, manifest: dict[str, Any], split: str, layers: list[int] | None = None, verify: bool = True
+    folder: Path,
+    manifest: dict[str, Any],
+    split: str,
+    layers: list[int] | None = None,
+    verify: bool = True,
+    tokens_only: bool = False,
 ) -> ShardedSplit:
     """Sequences of one split, each shard checked against the manifest's size and checksum; with `layers`,
-    only those aux states (a subset of what was extracted), in that order. Read lazily: see `ShardedSplit`."""
-    hidden = manifest["hidden_size"]
-    columns = None
-    if layers is not None and list(layers) != manifest["aux_layers"]:
-        columns = torch.cat([torch.arange(hidden) + manifest["aux_layers"].index(k) * hidden for k in layers])
+    only those aux states (a subset of what was extracted), in that order. Read lazily: see `ShardedSplit`. A
+    streamed split (token ids only) is read with `tokens_only` (`ShardedSplit.tokens`), by the capture service."""
+    if manifest["splits"][split].get("states") is False and not tokens_only:
+        raise ArtifactError(
+            f"{folder}/manifest.json: the {split} split's states were not stored (train.states=stream): its "
+            "shards hold token ids only, and its states come from the capture service (orchestrator/states/stream.py)"
+        )
+    columns = layer_columns(manifest, layers)
     paths, seq_lens = [], []
     for record in manifest["splits"][split]["shards"]:
         path = Path(folder) / record["file"]
@@ -149,6 +170,15 @@ def load_split(
             seq_lens.append(f.get_tensor("seq_lens").long())
         paths.append(path)
     return ShardedSplit(paths, seq_lens, columns)
+
+
+def layer_columns(manifest: dict[str, Any], layers: list[int] | None) -> torch.Tensor | None:
+    """The columns of the stored aux states that hold `layers` (a subset of the extracted ones, in that order);
+    None where they are all of them, in order."""
+    if layers is None or list(layers) == manifest["aux_layers"]:
+        return None
+    hidden = manifest["hidden_size"]
+    return torch.cat([torch.arange(hidden) + manifest["aux_layers"].index(k) * hidden for k in layers])
 
 
 class ShardedSplit:
@@ -191,6 +221,12 @@ class ShardedSplit:
 
     def __iter__(self) -> Iterator[SequenceStates]:
         return (self[i] for i in range(len(self)))
+
+    def tokens(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequence's token ids and loss mask alone (all a streamed split's shards hold)."""
+        f = self._handle(int(self.shard[index]))
+        a, b = int(self.start[index]), int(self.end[index])
+        return f.get_slice("input_ids")[a:b].long(), f.get_slice("loss_mask")[a:b].bool()
 
     def take(self, indices) -> list[SequenceStates]:
         """The sequences `indices`, in that order (`StateSource.take`)."""

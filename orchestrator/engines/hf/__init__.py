@@ -11,7 +11,7 @@ from orchestrator.capture import HiddenStateCapture, base_model
 from orchestrator.engines import CaptureJob, Capturing
 from orchestrator.layers import LayerContractError
 from orchestrator.states.assemble import Assembler
-from orchestrator.states.shards import pack
+from orchestrator.states.shards import SequenceStates, pack
 from orchestrator.targets import load_target
 
 
@@ -66,9 +66,14 @@ class HFCapture:
 
 
 def extract_chunk(model, tokenizer, chunk, layers: list[int], cfg, compute) -> dict:
-    """A shard's tensors (orchestrator/states/shards.py), `extract.batch_size` sequences per forward, right-padded.
-    The hooks capture the teacher where `extract.teacher` says (after the final norm for post_norm), so the
-    assembler norms nothing."""
+    """A shard's tensors (orchestrator/states/shards.py)."""
+    return pack(sequence_states(model, tokenizer, chunk, layers, cfg, compute))
+
+
+def sequence_states(model, tokenizer, chunk, layers: list[int], cfg, compute) -> list[SequenceStates]:
+    """The rendered sequences' states, `extract.batch_size` sequences per forward, right-padded: a shard's, or a
+    capture service's batch (orchestrator/states/stream.py). The hooks capture the teacher where `extract.teacher`
+    says (after the final norm for post_norm), so the assembler norms nothing."""
     assemble = Assembler(cfg.extract.dtype)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     sequences = []
@@ -88,7 +93,7 @@ def extract_chunk(model, tokenizer, chunk, layers: list[int], cfg, compute) -> d
             aux, teacher = capture.aux().cpu(), capture.teacher().cpu()
             sequences += [assemble.sequence(r, aux[row], teacher[row]) for row, r in enumerate(batch)]
             capture.clear()
-    return pack(sequences)
+    return sequences
 
 
 ENGINE = HF()

@@ -1,0 +1,359 @@
+"""Training's states from a live capture service instead of from disk (`train.states=stream`).
+
+At Kimi-K2.5's shape one token's states are 57,344 bytes (three aux states and the teacher, 7168 bf16 values each):
+57 TB per billion tokens, which no extraction can keep. With `train.states=stream` the extraction keeps the train
+split's token ids alone, and training starts a capture service beside it:
+
+- The service (`python -m orchestrator.states.stream SPOOL`) loads the target once and computes the train split's
+  states in the order the trainer asks for them: `step_indices`, from the step the trainer resumes at. It runs the
+  capture engine's own code (HF's hooks, `orchestrator.engines.hf.sequence_states`), so a streamed sequence's states
+  are the ones an offline extraction stores.
+- Each sequence goes into the spool folder as one file, `<position>-<index>.safetensors`, written atomically
+  (`artifacts.atomic_path`): position is the sequence's place in the trainer's global order, index its place in
+  the split. The trainer's ranks (`StreamedSplit`) each read the files of their share and delete them.
+- Flow control: the service writes a file only while the spool holds under `train.stream.buffer_bytes` (one file
+  always fits an empty spool), so it runs ahead of the trainer by the buffer and no further; the trainer waits only
+  for a file not written yet, and the seconds it waited, the capture rate and the spool's peak are reported.
+- Failure: the service's status file (`service.json`) is rewritten every `HEARTBEAT_S`. A trainer waiting for a
+  file fails when the service it started has exited, or when the status is older than
+  `train.stream.stall_timeout_s`, naming the service's log. The service exits when its trainer is gone (its parent
+  changed, or the trainer's pid is dead) or when the trainer writes `stop`.
+- Resume: the trainer's checkpoint holds its step, the consumed-sample cursor; a resumed trainer starts a fresh
+  service at that step, with the spool emptied first.
+
+The transport is a folder (node-local disk or /dev/shm on one node; a shared file system across nodes): the file
+connector's way, which vLLM's hidden-states extractor also writes. The design follows SpecForge's and speculators'
+online training, where the trainer reads a `StateSource` and never knows whether its data is online or offline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from orchestrator.artifacts import ArtifactError, atomic_path
+from orchestrator.states.shards import SequenceStates, layer_columns, pack
+from orchestrator.states.source import step_indices
+
+SPEC = "spec.pkl"
+STATUS = "service.json"
+STOP = "stop"
+LOG = "service.log"
+HEARTBEAT_S = 2.0
+POLL_S = 0.02
+
+
+class StreamError(RuntimeError):
+    pass
+
+
+@dataclass
+class StreamSpec:
+    """What the service computes: the run's config (the capture settings, the target), the extraction whose train
+    split's token ids it reads, the trainer's order from `start_step` to `total_steps`, and the spool."""
+
+    cfg: Any  # RootConfig
+    extract_dir: str
+    target_path: str
+    start_step: int
+    total_steps: int
+    buffer_bytes: int
+    trainer_pid: int
+
+
+# ---- the service ---------------------------------------------------------------------------------------------
+
+
+class _Status:
+    """The service's counters, rewritten atomically with its heartbeat (a thread, so a target that takes minutes to
+    load is alive meanwhile)."""
+
+    def __init__(self, spool: Path):
+        self.path, self.lock = spool / STATUS, threading.Lock()
+        self.values: dict[str, Any] = {
+            "pid": os.getpid(),
+            "state": "loading",
+            "position": 0,
+            "sequences": 0,
+            "tokens": 0,
+            "capture_s": 0.0,
+            "blocked_s": 0.0,
+            "peak_spool_bytes": 0,
+        }
+        self.write()
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    def update(self, **values) -> None:
+        with self.lock:
+            self.values |= values
+        self.write()
+
+    def add(self, **values) -> None:
+        with self.lock:
+            for k, v in values.items():
+                self.values[k] += v
+
+    def write(self) -> None:
+        with self.lock:
+            text = json.dumps(self.values | {"heartbeat": time.time()})
+        with atomic_path(self.path) as tmp:
+            tmp.write_text(text)
+
+    def _beat(self) -> None:
+        while True:
+            time.sleep(HEARTBEAT_S)
+            self.write()
+
+
+def _trainer_alive(spec: StreamSpec, parent: int) -> bool:
+    if os.getppid() != parent:  # the trainer that started us died (we were handed to init)
+        return False
+    try:
+        os.kill(spec.trainer_pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def spool_bytes(spool: Path) -> int:
+    total = 0
+    for entry in os.scandir(spool):
+        if entry.name.endswith(".safetensors"):
+            try:
+                total += entry.stat().st_size
+            except FileNotFoundError:  # read and deleted meanwhile
+                pass
+    return total
+
+
+def serve(spool: Path) -> int:
+    """The service's main: the train split's states, in the trainer's order, into the spool. Returns 0 when every
+    step's states are written, 3 when the trainer is gone or asked it to stop."""
+    from orchestrator import compute as compute_mod
+    from orchestrator.data import Rendered
+    from orchestrator.engines.hf import sequence_states
+    from orchestrator.states.manifest import load_manifest_checked
+    from orchestrator.states.shards import load_split
+    from orchestrator.targets import load_target
+
+    spool = Path(spool)
+    parent = os.getppid()
+    spec: StreamSpec = pickle.loads((spool / SPEC).read_bytes())
+    cfg, status = spec.cfg, _Status(spool)
+    extract_dir = Path(spec.extract_dir)
+    manifest = load_manifest_checked(extract_dir, cfg)
+    tokens = load_split(extract_dir, manifest, "train", verify=False, tokens_only=True)
+    gpus = torch.cuda.device_count()
+    precision = compute_mod.resolve_precision(cfg.extract.precision, gpus)
+    devices = tuple(torch.device("cuda", i) for i in range(gpus)) or (torch.device("cpu"),)
+    compute = compute_mod.Compute(devices=devices, dtype=compute_mod.DTYPES[precision])
+    target = Path(spec.target_path)
+    model, tokenizer = load_target(target, cfg.target.trust_remote_code, compute, cfg.data.chat_template)
+    layers = list(manifest["aux_layers"])
+    status.update(state="capturing")
+    print(f"[stream] capturing layers {layers} of {len(tokens)} sequences, steps {spec.start_step}..{spec.total_steps}")
+    batch, per_forward = cfg.train.batch_size, cfg.extract.batch_size
+    for step in range(spec.start_step, spec.total_steps):
+        order = step_indices(len(tokens), batch, cfg.train.seed, step)
+        for first in range(0, len(order), per_forward):
+            chunk = order[first : first + per_forward]
+            rendered = [Rendered(ids.tolist(), mask.int().tolist()) for ids, mask in map(tokens.tokens, chunk)]
+            began = time.time()
+            states = sequence_states(model, tokenizer, rendered, layers, cfg, compute)
+            count = sum(len(r.input_ids) for r in rendered)
+            status.add(capture_s=time.time() - began, sequences=len(chunk), tokens=count)
+            for offset, (index, seq) in enumerate(zip(chunk, states)):
+                position = step * batch + first + offset
+                tensors = pack([seq])
+                size = sum(t.numel() * t.element_size() for t in tensors.values())
+                if not _wait_for_room(spool, spec, parent, status, size):
+                    status.update(state="stopped")
+                    return 3
+                with atomic_path(spool / f"{position:012d}-{index:09d}.safetensors") as tmp:
+                    save_file(tensors, str(tmp))
+                status.update(position=position + 1)
+    status.update(state="done")
+    print(f"[stream] done: {status.values['sequences']} sequences, {status.values['tokens']} tokens")
+    return 0
+
+
+def _wait_for_room(spool: Path, spec: StreamSpec, parent: int, status: _Status, size: int) -> bool:
+    """Waits until the spool has room for `size` more bytes (an empty one always has); False when the trainer is
+    gone or asked to stop."""
+    began = time.time()
+    while True:
+        if (spool / STOP).exists() or not _trainer_alive(spec, parent):
+            return False
+        used = spool_bytes(spool)
+        if used == 0 or used + size <= spec.buffer_bytes:
+            status.add(blocked_s=time.time() - began)
+            status.update(peak_spool_bytes=max(status.values["peak_spool_bytes"], used + size))
+            return True
+        time.sleep(POLL_S)
+
+
+# ---- the trainer's side ----------------------------------------------------------------------------------------
+
+
+class CaptureService:
+    """The service as the trainer's rank 0 runs it locally: a child process with its log in the spool, stopped when
+    training ends (or fails)."""
+
+    def __init__(self, spool: Path, spec: StreamSpec):
+        self.spool, self.spec, self.proc = Path(spool), spec, None
+
+    @property
+    def log(self) -> Path:
+        return self.spool / LOG
+
+    def start(self) -> CaptureService:
+        if self.spool.exists():  # an earlier run's files: a resumed trainer asks from its cursor on
+            shutil.rmtree(self.spool)
+        self.spool.mkdir(parents=True)
+        (self.spool / SPEC).write_bytes(pickle.dumps(self.spec))
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator.states.stream", str(self.spool)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=os.environ | {"PYTHONUNBUFFERED": "1"},
+            )
+        print(f"[train] capture service pid {self.proc.pid}: states streamed through {self.spool} (log {self.log})")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        (self.spool / STOP).touch()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def read_status(spool: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((Path(spool) / STATUS).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+class StreamedSplit:
+    """The train split as a `StateSource` read from the spool: `take(indices)` waits for each sequence's file, reads
+    it (with `layers`' columns of what the extraction's layers captured) and deletes it. Any rank can read its share;
+    the rank that started the service passes it, so that its exit is seen at once, the others watch its status."""
+
+    def __init__(
+        self,
+        spool: Path,
+        size: int,
+        columns: torch.Tensor | None,
+        stall_timeout_s: float,
+        service: CaptureService | None = None,
+    ):
+        self.spool, self.size, self.columns = Path(spool), size, columns
+        self.stall_timeout_s, self.service = stall_timeout_s, service
+        self.wait_s, self.opened = 0.0, time.time()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def take(self, indices: Iterable[int]) -> list[SequenceStates]:
+        return [self._next(int(i)) for i in indices]
+
+    def close(self) -> None:
+        if self.service is not None:
+            self.service.stop()
+
+    def _next(self, index: int) -> SequenceStates:
+        began = time.time()
+        while True:
+            found = sorted(self.spool.glob(f"*-{index:09d}.safetensors"))
+            if found:  # the earliest position: a later one is the same sequence in a later epoch
+                tensors = load_file(str(found[0]))
+                found[0].unlink()
+                self.wait_s += time.time() - began
+                aux = tensors["aux_hidden_states"]
+                return SequenceStates(
+                    tensors["input_ids"].long(),
+                    tensors["loss_mask"].bool(),
+                    aux if self.columns is None else aux[:, self.columns],
+                    tensors["teacher_hidden_state"],
+                )
+            self._check_alive(index)
+            time.sleep(POLL_S)
+
+    def _check_alive(self, index: int) -> None:
+        log = self.service.log if self.service else self.spool / LOG
+        proc = self.service.proc if self.service else None
+        if proc is not None and proc.poll() is not None:
+            raise StreamError(
+                f"the capture service (pid {proc.pid}) exited with code {proc.returncode} before sequence {index} "
+                f"was streamed; its log: {log}\n{_tail(log)}"
+            )
+        status = read_status(self.spool)
+        beat = status["heartbeat"] if status else self.opened
+        if time.time() - beat > self.stall_timeout_s:
+            raise StreamError(
+                f"the capture service has given no sign of life for {time.time() - beat:.0f} s "
+                f"(train.stream.stall_timeout_s={self.stall_timeout_s}) while sequence {index} was awaited; "
+                f"its log: {log}\n{_tail(log)}"
+            )
+
+    def report(self) -> dict[str, Any]:
+        """What the stream cost: the trainer's wait, the service's capture rate, the spool's peak against the
+        buffer."""
+        status = read_status(self.spool) or {}
+        capture_s = status.get("capture_s", 0.0)
+        return {
+            "wait_s": round(self.wait_s, 3),
+            "captured_sequences": status.get("sequences", 0),
+            "captured_tokens": status.get("tokens", 0),
+            "capture_tokens_per_s": status.get("tokens", 0) / capture_s if capture_s else 0.0,
+            "service_blocked_s": round(status.get("blocked_s", 0.0), 3),
+            "peak_spool_bytes": status.get("peak_spool_bytes", 0),
+        }
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def open_stream(cfg, plan, manifest: dict[str, Any], layers: list[int], compute, start_step: int, total: int):
+    """The train split as a stream: rank 0 starts the service (emptying the spool first), every rank reads its
+    share from the spool once rank 0 has started it."""
+    from orchestrator.states.shards import load_split
+
+    spool = Path(cfg.train.stream.spool or Path(plan.dir("train")) / "stream")
+    size = len(load_split(plan.dir("extract"), manifest, "train", verify=False, tokens_only=True))
+    service = None
+    if compute.is_main:
+        buffer = cfg.train.stream.buffer_bytes
+        spec = StreamSpec(cfg, str(plan.dir("extract")), plan.target_dir, start_step, total, buffer, os.getpid())
+        service = CaptureService(spool, spec).start()
+    compute.barrier()
+    return StreamedSplit(spool, size, layer_columns(manifest, layers), cfg.train.stream.stall_timeout_s, service)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(serve(Path(sys.argv[1])))
+    except ArtifactError as err:
+        print(f"[stream] {err}", file=sys.stderr)
+        sys.exit(2)

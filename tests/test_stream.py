@@ -1,0 +1,162 @@
+"""Online training (`train.states=stream`): the draft learns from a capture service's states, with no train states on
+disk beyond a bounded spool, and equals the draft trained offline on the same data and seed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from orchestrator import tracking
+from orchestrator.config import ConfigError
+from orchestrator.pipeline import make_plan, run_pipeline, run_stage
+from orchestrator.states import stream
+
+BUFFER = 200_000  # about two sequences of the FAST tiny target's states: the service runs a step or so ahead
+
+
+@pytest.fixture(scope="module")
+def both(tiny_config, tmp_path_factory):
+    """The FAST tiny experiment's extraction and draft, offline and streamed."""
+    runs = {}
+    for mode in ("offline", "stream"):
+        cfg = tiny_config("stages=[extract,train]", "cluster=debug", f"train.states={mode}",
+                          f"train.stream.buffer_bytes={BUFFER}")  # fmt: skip
+        run_dir = tmp_path_factory.mktemp(mode)
+        summary = run_pipeline(cfg, run_dir)
+        runs[mode] = (cfg, make_plan(cfg, run_dir), summary)
+    return runs
+
+
+def _draft(plan) -> dict[str, torch.Tensor]:
+    return load_file(str(plan.dir("train") / "draft" / "model.safetensors"))
+
+
+def test_streamed_draft_equals_the_offline_draft_bit_for_bit(both):
+    (_, offline, off_summary), (_, streamed, on_summary) = both["offline"], both["stream"]
+    a, b = _draft(offline), _draft(streamed)
+    assert a.keys() == b.keys()
+    for name in a:  # HF's capture in float32 on the CPU: the service computes what the extraction stored
+        assert torch.equal(a[name], b[name]), name
+    assert on_summary["stages"]["train"]["val_acc_0"] == off_summary["stages"]["train"]["val_acc_0"]
+
+
+def test_streamed_extraction_keeps_the_train_token_ids_alone(both):
+    cfg, plan, summary = both["stream"]
+    manifest = json.loads((plan.dir("extract") / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["states"] is False and "states" not in manifest["splits"]["val"]
+    for split, stored in (("train", False), ("val", True)):
+        for record in manifest["splits"][split]["shards"]:
+            with safe_open(str(plan.dir("extract") / record["file"]), framework="pt") as f:
+                assert ("aux_hidden_states" in f.keys()) is stored, record["file"]
+    offline = both["offline"][1]
+    assert plan.stage_keys["extract"] != offline.stage_keys["extract"]
+
+
+def test_stream_stays_within_its_buffer_and_reports_its_cost(both):
+    cfg, plan, summary = both["stream"]
+    report = summary["stages"]["train"]["stream"]
+    assert 0 < report["peak_spool_bytes"] <= BUFFER == report["buffer_bytes"]
+    assert report["captured_sequences"] == cfg.train.max_steps * cfg.train.batch_size
+    assert report["captured_tokens"] > 0 and report["capture_tokens_per_s"] > 0 and report["wait_s"] >= 0
+    assert not list((plan.dir("train") / "stream").glob("*.safetensors")), "every streamed state was consumed"
+
+
+def test_a_streamed_split_is_not_read_as_stored_states(both):
+    from orchestrator.artifacts import ArtifactError
+    from orchestrator.states.shards import load_split
+
+    cfg, plan, _ = both["stream"]
+    manifest = json.loads((plan.dir("extract") / "manifest.json").read_text())
+    with pytest.raises(ArtifactError, match="train split's states were not stored"):
+        load_split(plan.dir("extract"), manifest, "train", list(cfg.train.layers))
+
+
+def test_stream_config_is_checked_before_any_job(tiny_config):
+    with pytest.raises(ConfigError, match="train.states='disk'"):
+        tiny_config("train.states=disk")
+    with pytest.raises(ConfigError, match="extract.engine=vllm"):
+        tiny_config("train.states=stream", "extract.engine=vllm")
+    with pytest.raises(ConfigError, match="train.stream.buffer_bytes=0"):
+        tiny_config("train.states=stream", "train.stream.buffer_bytes=0")
+
+
+def _start_training(cfg, plan, folder: Path, name: str) -> tuple[subprocess.Popen, object]:
+    """The train stage in a process of its own, into `folder`."""
+    moved = dataclasses.replace(plan, stage_dirs={**plan.stage_dirs, "train": str(folder)})
+    tracker = tracking.start_pipeline_run(plan.tracking_uri, "tests", name, {}, [], Path(plan.run_dir))
+    args = folder.parent / f"{name}.pkl"
+    args.write_bytes(pickle.dumps(("train", cfg, moved, tracker.run_id)))
+    script = (
+        "import pickle, sys; from orchestrator.pipeline import run_stage; "
+        "run_stage(*pickle.load(open(sys.argv[1], 'rb')))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, str(args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+    return proc, (moved, tracker)
+
+
+def _wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_killed_service_fails_training_with_its_log_and_the_rerun_resumes(both, tmp_path):
+    cfg, plan, _ = both["stream"]
+    folder = tmp_path / "train"
+    proc, (moved, tracker) = _start_training(cfg, plan, folder, "killed-service")
+    checkpoint = folder / "checkpoints" / "latest.pt"
+    _wait_for(lambda: checkpoint.exists() or proc.poll() is not None, 300, "no checkpoint was written")
+    status = stream.read_status(folder / "stream")
+    assert status and status["state"] == "capturing", status
+    os.kill(status["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode != 0
+    assert time.monotonic() - killed < 120
+    log = folder / "stream" / "service.log"
+    assert "StreamError" in out and "capture service" in out and str(log) in out, out[-3000:]
+    cursor = torch.load(checkpoint, weights_only=False)["step"]
+    assert 0 < cursor < cfg.train.max_steps, "the kill must land mid-run"
+
+    result = run_stage("train", cfg, moved, tracker.run_id)
+    log = log.read_text()
+    assert f"steps {cursor}..{cfg.train.max_steps}" in log, log  # the fresh service starts at the cursor
+    assert result["stream"]["captured_sequences"] == (cfg.train.max_steps - cursor) * cfg.train.batch_size
+    resumed, uninterrupted = load_file(result["draft_dir"] + "/model.safetensors"), _draft(plan)
+    for name in resumed:
+        torch.testing.assert_close(resumed[name], uninterrupted[name], rtol=1e-3, atol=1e-3, msg=name)
+
+
+def test_killed_trainer_stops_the_service(both, tmp_path):
+    cfg, plan, _ = both["stream"]
+    folder = tmp_path / "train"
+    proc, _ = _start_training(cfg, plan, folder, "killed-trainer")
+    status_of = lambda: stream.read_status(folder / "stream")  # noqa: E731
+    _wait_for(lambda: (status_of() or {}).get("state") == "capturing" or proc.poll() is not None, 300, "no service")
+    service = status_of()["pid"]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    _wait_for(lambda: not _alive(service), 30, "the capture service outlived its trainer")
