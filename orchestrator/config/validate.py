@@ -81,11 +81,11 @@ def check_stream(cfg: RootConfig) -> None:
         raise ConfigError(f"train.states={t.states!r}: expected offline or stream")
     if t.states == "offline":
         return
-    if cfg.extract.engine != "hf":
+    if one_pass(cfg):
         raise ConfigError(
-            f"train.states=stream with extract.engine={cfg.extract.engine}: the capture service runs HF's capture "
-            "(the engine a tiny target's extraction uses); vLLM as the service is not built yet. Use extract.engine=hf "
-            "or train.states=offline"
+            "train.states=stream with data.regenerate.engine=one_pass: the capture service is handed the train "
+            "split's token ids, which a one-pass capture would generate as it captures; regenerate with "
+            "data.regenerate.engine=hf or server, or set train.states=offline"
         )
     if t.from_draft is not None:
         raise ConfigError("train.states=stream with train.from_draft: an imported draft is not trained, set one")

@@ -227,6 +227,12 @@ class Capturing(Engine):
     def open_capture(self, cfg: RootConfig, job: CaptureJob) -> Capture:
         raise NotImplementedError
 
+    def open_stream(self, cfg: RootConfig, target_path: Path, layers: list[int], compute, work: Path):
+        """The capture a streaming service keeps open (train.states=stream, orchestrator/states/stream.py): an object
+        whose `states(rendered)` gives each rendered sequence's `SequenceStates` and whose `close()` ends it; `work`
+        is a folder of its own."""
+        raise NotImplementedError
+
     def print_capture(self, cfg: RootConfig, plan) -> None:
         """The dry run: what each extract task will run, checked where the engine can check it."""
 

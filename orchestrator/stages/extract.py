@@ -123,8 +123,9 @@ def _extract_shards(
     def rendered(tokenizer, split: str, index: int) -> list[Rendered]:  # a shard's sequences, no model here
         return _sequences(None, tokenizer, shards[split][index], split, index, out, cfg)
 
+    captured = [(split, i) for split, i in todo if not streamed(cfg, split)]  # a streamed split keeps its token ids
     job = CaptureJob(
-        shards=shards, todo=todo, layers=layers, out=out, compute=compute, target_path=target_path,
+        shards=shards, todo=captured, layers=layers, out=out, compute=compute, target_path=target_path,
         sequences=rendered,
     )  # fmt: skip
     # HF loads the target here; vLLM computes every state of `todo` in one engine run as it opens

@@ -142,11 +142,9 @@ def serve(spool: Path) -> int:
     """The service's main: the train split's states, in the trainer's order, into the spool. Returns 0 when every
     step's states are written, 3 when the trainer is gone or asked it to stop."""
     from orchestrator import compute as compute_mod
-    from orchestrator.data import Rendered
-    from orchestrator.engines.hf import sequence_states
+    from orchestrator import engines
     from orchestrator.states.manifest import load_manifest_checked
     from orchestrator.states.shards import load_split
-    from orchestrator.targets import load_target
 
     spool = Path(spool)
     parent = os.getppid()
@@ -159,11 +157,24 @@ def serve(spool: Path) -> int:
     precision = compute_mod.resolve_precision(cfg.extract.precision, gpus)
     devices = tuple(torch.device("cuda", i) for i in range(gpus)) or (torch.device("cpu"),)
     compute = compute_mod.Compute(devices=devices, dtype=compute_mod.DTYPES[precision])
-    target = Path(spec.target_path)
-    model, tokenizer = load_target(target, cfg.target.trust_remote_code, compute, cfg.data.chat_template)
     layers = list(manifest["aux_layers"])
+    # the extract stage's capture engine, kept open: HF loads the target here, vLLM starts its engine
+    capture = engines.get(cfg.extract.engine, engines.CAPTURE).open_stream(
+        cfg, Path(spec.target_path), layers, compute, spool / "engine"
+    )
+    try:
+        return _capture(spool, spec, parent, status, tokens, capture)
+    finally:
+        capture.close()
+
+
+def _capture(spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens, capture) -> int:
+    from orchestrator.data import Rendered
+
+    cfg = spec.cfg
     status.update(state="capturing")
-    print(f"[stream] capturing layers {layers} of {len(tokens)} sequences, steps {spec.start_step}..{spec.total_steps}")
+    steps = f"{spec.start_step}..{spec.total_steps}"
+    print(f"[stream] capturing {len(tokens)} sequences' states, steps {steps}", flush=True)
     batch, per_forward = cfg.train.batch_size, cfg.extract.batch_size
     for step in range(spec.start_step, spec.total_steps):
         order = step_indices(len(tokens), batch, cfg.train.seed, step)
@@ -171,7 +182,7 @@ def serve(spool: Path) -> int:
             chunk = order[first : first + per_forward]
             rendered = [Rendered(ids.tolist(), mask.int().tolist()) for ids, mask in map(tokens.tokens, chunk)]
             began = time.time()
-            states = sequence_states(model, tokenizer, rendered, layers, cfg, compute)
+            states = capture.states(rendered)
             count = sum(len(r.input_ids) for r in rendered)
             status.add(capture_s=time.time() - began, sequences=len(chunk), tokens=count)
             for offset, (index, seq) in enumerate(zip(chunk, states)):

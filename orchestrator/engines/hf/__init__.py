@@ -54,6 +54,24 @@ class HF(Capturing):
         )
         return HFCapture(model, tokenizer, job.layers, cfg, job.compute)
 
+    def open_stream(self, cfg, target_path, layers, compute, work):
+        return HFStream(cfg, target_path, layers, compute)
+
+
+class HFStream:
+    """The target loaded once, for a capture service: each batch's states by the extract stage's own forward."""
+
+    def __init__(self, cfg, target_path, layers, compute):
+        self.cfg, self.layers, self.compute = cfg, layers, compute
+        remote, template = cfg.target.trust_remote_code, cfg.data.chat_template
+        self.model, self.tokenizer = load_target(target_path, remote, compute, template)
+
+    def states(self, rendered) -> list[SequenceStates]:
+        return sequence_states(self.model, self.tokenizer, rendered, self.layers, self.cfg, self.compute)
+
+    def close(self) -> None:
+        pass
+
 
 class HFCapture:
     """The target loaded on the task's devices; each shard's states by one forward of the decoder per batch."""

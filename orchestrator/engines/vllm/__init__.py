@@ -129,5 +129,9 @@ class VLLM(Serving, Capturing):
         self.check_installed(cfg, cfg.extract.python, "extract.python")
         return capture.VLLMCapture(cfg, job)
 
+    def open_stream(self, cfg, target_path, layers, compute, work):
+        self.check_installed(cfg, cfg.extract.python, "extract.python")
+        return capture.VLLMStream(cfg, target_path, layers, compute, work)
+
 
 ENGINE = VLLM()

@@ -4,13 +4,17 @@ run (orchestrator/engines/vllm/side/capture.py in vLLM's environment), then each
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
 from safetensors.torch import load_file
 
+from orchestrator.artifacts import atomic_path
 from orchestrator.config.schema import one_pass
 from orchestrator.data import prompt_ids
 from orchestrator.engines import CaptureJob
@@ -34,29 +38,93 @@ class VLLMCapture:
         self.tokenizer = load_tokenizer(job.target_path, cfg.target.trust_remote_code, cfg.data.chat_template)
         self.files, self.work = capture_all(cfg, job, self.tokenizer)
         self.layers = len(job.layers)
-        # vLLM captures the last layer's output (id N) before the final norm: the assembler norms it for post_norm
-        post_norm = cfg.extract.teacher == "post_norm"
-        norm = load_head_tensors(job.target_path, cfg.target.family)["norm"] if post_norm else None
-        eps = target_config_json(job.target_path).get("rms_norm_eps", 1e-6)
-        self.assemble = Assembler(cfg.extract.dtype, norm, eps)
+        self.assemble = assembler(cfg, job.target_path)
 
     def shard(self, split, index, rendered):
         """One shard's tensors (as the HF capture writes them) from vLLM's captured states: the aux layers, and
         the last layer's output as the teacher's source (`extract.teacher`)."""
         files = self.files.pop((split, index))
-        sequences = []
-        for seq, path in zip(rendered, files, strict=True):
-            captured = load_file(path)
-            hs = captured["hidden_states"]  # [T, K+1, H], in the order of the capture's ids
-            where = f"vLLM's capture of a {split} sequence ({path})"
-            sequences.append(self.assemble.sequence(seq, hs[:, : self.layers], hs[:, -1], captured["token_ids"], where))
-        for path in files:
-            os.remove(path)
+        sequences = read_states(self.assemble, rendered, files, self.layers, f"vLLM's capture of a {split} sequence")
         if not self.files:  # the task's last shard
             shutil.rmtree(self.work)
             with contextlib.suppress(OSError):  # left while another task's folder is in it
                 self.work.parent.rmdir()
         return pack(sequences)
+
+
+def assembler(cfg, target_path) -> Assembler:
+    """vLLM captures the last layer's output (id N) before the final norm: the assembler norms it for post_norm."""
+    post_norm = cfg.extract.teacher == "post_norm"
+    norm = load_head_tensors(target_path, cfg.target.family)["norm"] if post_norm else None
+    eps = target_config_json(target_path).get("rms_norm_eps", 1e-6)
+    return Assembler(cfg.extract.dtype, norm, eps)
+
+
+def read_states(assemble: Assembler, rendered, files: list[str], layers: int, what: str) -> list:
+    """The sequences' states from vLLM's files (`hidden_states` [T, K+1, H] in the order of the capture's ids: the
+    aux layers, then id N for the teacher), checked against the tokens sent; the files are deleted once read."""
+    sequences = []
+    for seq, path in zip(rendered, files, strict=True):
+        captured = load_file(path)
+        hs = captured["hidden_states"]
+        where = f"{what} ({path})"
+        sequences.append(assemble.sequence(seq, hs[:, :layers], hs[:, -1], captured["token_ids"], where))
+    for path in files:
+        os.remove(path)
+    return sequences
+
+
+class VLLMStream:
+    """vLLM's extractor kept up for a capture service (train.states=stream, orchestrator/states/stream.py): each
+    batch one request to the engine (side/capture.py --serve, answering the requests written to `work/queue`), its
+    files assembled as the extract stage assembles a shard's."""
+
+    def __init__(self, cfg, target_path, layers, compute, work: Path):
+        self.work, self.layers, self.sent = Path(work), len(layers), 0
+        self.queue = self.work / "queue"
+        self.queue.mkdir(parents=True, exist_ok=True)
+        self.assemble = assembler(cfg, target_path)
+        gpus = sum(d.type == "cuda" for d in compute.devices)
+        engine_args = cli.extract_engine_args(cfg, target_path, self.work / "engine", gpus)
+        command = cli.capture_service_command(cfg.extract.python, self.queue, engine_args)
+        self.log = self.work / "vllm.log"
+        print(f"[stream] vLLM capture engine: {shlex.join(command)} (log {self.log})", flush=True)
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=cli.side_env())
+
+    def states(self, rendered) -> list:
+        self.sent += 1
+        request = self.queue / f"req-{self.sent:08d}.json"
+        out = self.work / "out" / str(self.sent)
+        with atomic_path(request) as tmp:
+            tmp.write_text(json.dumps({"prompts": [r.input_ids for r in rendered], "out": str(out), "max_tokens": 1}))
+        done = request.with_suffix(".done")
+        while not done.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM's capture engine (pid {self.proc.pid}) exited with code {self.proc.returncode}; its log: "
+                    f"{self.log}\n{_tail(self.log)}"
+                )
+            time.sleep(0.005)
+        report = json.loads(done.read_text())
+        done.unlink()
+        if "error" in report:
+            raise RuntimeError(f"vLLM's capture engine failed a request: {report['error']}; its log: {self.log}")
+        sequences = read_states(self.assemble, rendered, report["files"], self.layers, "vLLM's capture service")
+        shutil.rmtree(out)
+        return sequences
+
+    def close(self) -> None:
+        (self.queue / "stop").touch()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
 
 
 def capture_all(cfg, job: CaptureJob, tokenizer) -> tuple[dict[tuple[str, int], list[str]], Path]:

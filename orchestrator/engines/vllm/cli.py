@@ -179,6 +179,17 @@ def capture_command(python: str, request: Path | str, engine_args: list[str]) ->
     return [python, str(CAPTURE), str(request), *engine_args]
 
 
+def capture_service_command(python: str, queue: Path | str, engine_args: list[str]) -> list[str]:
+    """side/capture.py kept up, answering the requests written to `queue` (a capture service's engine)."""
+    return [python, str(CAPTURE), "--serve", str(queue), *engine_args]
+
+
+def side_env() -> dict[str, str]:
+    """The environment of a side script's engine: in the script's own process, and the CPU build's KV cache."""
+    kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+    return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": kv}
+
+
 def capture_states(
     python: str, engine_args: list[str], prompts: list[list[int]], out: Path, *, include_output_tokens: bool = False,
     max_tokens: int = 1, timeout: float = 3600,

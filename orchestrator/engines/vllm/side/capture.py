@@ -4,6 +4,7 @@ Runs inside vLLM's environment, standalone (it imports vLLM, torch and safetenso
 
     python orchestrator/engines/vllm/side/capture.py REQUEST.json ENGINE_ARGS...
     python orchestrator/engines/vllm/side/capture.py --parse-only ENGINE_ARGS...
+    python orchestrator/engines/vllm/side/capture.py --serve QUEUE ENGINE_ARGS...
 
 ENGINE_ARGS are the engine's flags as `vllm serve` takes them (`orchestrator.engines.vllm.cli.capture_engine_args`:
 the target, `--speculative-config {"method": "extract_hidden_states", ...}` with the layer ids, and
@@ -16,6 +17,11 @@ Request i's states land in `out/<i>.safetensors`: `hidden_states` [tokens, len(i
 ids, and `token_ids`. With `include_output_tokens` the tokens are the prompt and the generated response but its
 last token (vLLM's one-pass mode: generate, then the states of prompt plus response). Prints one JSON line:
 vLLM's version, the files, and each request's generated token ids.
+
+--serve: the engine stays up and takes requests from the folder QUEUE, as the project's capture service streams
+states to a trainer (orchestrator/states/stream.py): each `QUEUE/req-NNNNNNNN.json` (a REQUEST as above, written
+atomically) is answered, in order, by `QUEUE/req-NNNNNNNN.done` (the report, or {"error": ...}), and removed. It
+stops when `QUEUE/stop` appears or the process that started it is gone.
 """
 
 from __future__ import annotations
@@ -45,16 +51,50 @@ def engine_kwargs(argv: list[str]) -> dict:
 
 
 def main(request: dict, argv: list[str]) -> dict:
+    return capture(open_engine(argv), request)
+
+
+def open_engine(argv: list[str]):
+    """vLLM's offline engine with `argv`'s engine arguments."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # the connector module, for vLLM to import by name in whichever process runs the engine
     os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
     sys.path.insert(0, str(HERE))
+    from vllm import LLM
+
+    _llvmlite_lib_without_dunders()
+    return LLM(**engine_kwargs(argv))
+
+
+def serve(queue: Path, argv: list[str]) -> None:
+    """Answers the requests of `queue` in order until `queue/stop` appears or the parent process is gone."""
+    import time
+
+    parent = os.getppid()
+    llm = open_engine(argv)
+    print("[vllm capture] engine up: serving requests from", queue, flush=True)
+    while not (queue / "stop").exists() and os.getppid() == parent:
+        requests = sorted(queue.glob("req-*.json"))
+        if not requests:
+            time.sleep(0.01)
+            continue
+        try:
+            report = capture(llm, json.loads(requests[0].read_text()))
+        except Exception as err:  # the service reads it and fails naming this log
+            report = {"error": f"{type(err).__name__}: {err}"}
+        done = requests[0].with_suffix(".done")
+        done.with_suffix(".tmp").write_text(json.dumps(report))
+        os.replace(done.with_suffix(".tmp"), done)
+        requests[0].unlink()
+
+
+def capture(llm, request: dict) -> dict:
+    """One REQUEST through the engine: its states moved to `out/<i>.safetensors`; the report."""
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     out = Path(request["out"])
-    _llvmlite_lib_without_dunders()
-    llm = LLM(**engine_kwargs(argv))
+    out.mkdir(parents=True, exist_ok=True)
     params = SamplingParams(
         max_tokens=request.get("max_tokens", 1),
         temperature=0.0,
@@ -125,5 +165,7 @@ def _locked(path: str) -> bool:
 if __name__ == "__main__":
     if sys.argv[1] == "--parse-only":
         engine_kwargs(sys.argv[2:])  # vLLM's parser exits with its message on a bad argument
+    elif sys.argv[1] == "--serve":
+        serve(Path(sys.argv[2]), sys.argv[3:])
     else:
         print(json.dumps(main(json.loads(Path(sys.argv[1]).read_text()), sys.argv[2:])), flush=True)
