@@ -192,3 +192,22 @@ def test_vllm_as_the_capture_service_trains_the_draft_offline_states_train(vllm_
     report = online["train"]["stream"]
     assert 0 < report["peak_spool_bytes"] <= 1_000_000
     assert report["captured_sequences"] == cfg.train.max_steps * cfg.train.batch_size
+
+
+def test_replayed_epochs_capture_once_and_train_the_same_draft(both, tmp_path):
+    """train.stream.replay_bytes: the first epoch's states are kept and the later epochs read them, so the FAST run's
+    16 steps of 8 over 96 sequences (an epoch and a third) capture each sequence once and replay 32 of them; the draft
+    is the one every epoch's capture trains."""
+    cfg, plan, _ = both["stream"]
+    replaying = dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, stream=dataclasses.replace(cfg.train.stream, replay_bytes=10**9)))  # fmt: skip
+    moved = dataclasses.replace(plan, stage_dirs={**plan.stage_dirs, "train": str(tmp_path / "train")})
+    tracker = tracking.start_pipeline_run(plan.tracking_uri, "tests", "replay", {}, [], Path(plan.run_dir))
+    report = run_stage("train", replaying, moved, tracker.run_id)["stream"]
+    per_epoch = 96
+    assert report["captured_sequences"] == per_epoch
+    assert report["replayed_sequences"] == cfg.train.max_steps * cfg.train.batch_size - per_epoch == 32
+    assert 0 < report["replay_bytes_used"] <= 10**9
+    replayed, captured = load_file(str(tmp_path / "train" / "draft" / "model.safetensors")), _draft(plan)
+    for name in captured:
+        assert torch.equal(replayed[name], captured[name]), name

@@ -183,6 +183,8 @@ class StreamConfig:
     spool: Optional[str] = MISSING
     # a trainer waiting for a state fails when the service has given no sign of life for this long
     stall_timeout_s: float = MISSING
+    # the first epoch's states kept for the later epochs, up to this many bytes; 0: every epoch captures again
+    replay_bytes: int = MISSING
 
 
 @dataclass

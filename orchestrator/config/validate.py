@@ -91,6 +91,8 @@ def check_stream(cfg: RootConfig) -> None:
         raise ConfigError("train.states=stream with train.from_draft: an imported draft is not trained, set one")
     if t.stream.buffer_bytes < 1:
         raise ConfigError(f"train.stream.buffer_bytes={t.stream.buffer_bytes}: expected >= 1")
+    if t.stream.replay_bytes < 0:
+        raise ConfigError(f"train.stream.replay_bytes={t.stream.replay_bytes}: expected >= 0 (0: every epoch captures)")
     if t.stream.stall_timeout_s <= 0:
         raise ConfigError(f"train.stream.stall_timeout_s={t.stream.stall_timeout_s}: expected > 0")
 

@@ -48,6 +48,7 @@ from orchestrator.states.shards import SequenceStates, layer_columns, pack
 from orchestrator.states.source import step_indices
 
 SPEC = "spec.pkl"
+REPLAY = "replay"
 STATUS = "service.json"
 STOP = "stop"
 LOG = "service.log"
@@ -71,6 +72,7 @@ class StreamSpec:
     total_steps: int
     buffer_bytes: int
     trainer_pid: int
+    replay_bytes: int = 0
 
 
 # ---- the service ---------------------------------------------------------------------------------------------
@@ -172,7 +174,8 @@ def _capture(spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens
     from orchestrator.data import Rendered
 
     cfg = spec.cfg
-    status.update(state="capturing")
+    replay = _Replay(spool / REPLAY, spec.replay_bytes)
+    status.update(state="capturing", replay_bytes_used=replay.used, replayed_sequences=0)
     steps = f"{spec.start_step}..{spec.total_steps}"
     print(f"[stream] capturing {len(tokens)} sequences' states, steps {steps}", flush=True)
     batch, per_forward = cfg.train.batch_size, cfg.extract.batch_size
@@ -180,14 +183,22 @@ def _capture(spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens
         order = step_indices(len(tokens), batch, cfg.train.seed, step)
         for first in range(0, len(order), per_forward):
             chunk = order[first : first + per_forward]
-            rendered = [Rendered(ids.tolist(), mask.int().tolist()) for ids, mask in map(tokens.tokens, chunk)]
-            began = time.time()
-            states = capture.states(rendered)
-            count = sum(len(r.input_ids) for r in rendered)
-            status.add(capture_s=time.time() - began, sequences=len(chunk), tokens=count)
-            for offset, (index, seq) in enumerate(zip(chunk, states)):
+            kept = {i: replay.get(i) for i in chunk}
+            todo = [i for i in chunk if kept[i] is None]
+            rendered = [Rendered(ids.tolist(), mask.int().tolist()) for ids, mask in map(tokens.tokens, todo)]
+            if rendered:
+                began = time.time()
+                captured = capture.states(rendered)
+                count = sum(len(r.input_ids) for r in rendered)
+                status.add(capture_s=time.time() - began, sequences=len(todo), tokens=count)
+                for index, seq in zip(todo, captured):
+                    kept[index] = pack([seq])
+                    replay.put(index, kept[index])
+            status.add(replayed_sequences=len(chunk) - len(todo))
+            status.update(replay_bytes_used=replay.used)
+            for offset, index in enumerate(chunk):
                 position = step * batch + first + offset
-                tensors = pack([seq])
+                tensors = kept[index]
                 size = sum(t.numel() * t.element_size() for t in tensors.values())
                 if not _wait_for_room(spool, spec, parent, status, size):
                     status.update(state="stopped")
@@ -198,6 +209,30 @@ def _capture(spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens
     status.update(state="done")
     print(f"[stream] done: {status.values['sequences']} sequences, {status.values['tokens']} tokens")
     return 0
+
+
+class _Replay:
+    """The first epoch's states kept for the later ones, up to `budget` bytes (`train.stream.replay_bytes`; 0: every
+    epoch captures again): one file per sequence, written atomically, kept across a resumed service."""
+
+    def __init__(self, folder: Path, budget: int):
+        self.folder, self.budget = folder, budget
+        folder.mkdir(exist_ok=True)
+        self.used = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+    def path(self, index: int) -> Path:
+        return self.folder / f"{index:09d}.safetensors"
+
+    def get(self, index: int) -> dict[str, torch.Tensor] | None:
+        return load_file(str(self.path(index))) if self.budget and self.path(index).exists() else None
+
+    def put(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.used + size > self.budget or self.path(index).exists():
+            return
+        with atomic_path(self.path(index)) as tmp:
+            save_file(tensors, str(tmp))
+        self.used += self.path(index).stat().st_size
 
 
 def _wait_for_room(spool: Path, spec: StreamSpec, parent: int, status: _Status, size: int) -> bool:
@@ -230,9 +265,11 @@ class CaptureService:
         return self.spool / LOG
 
     def start(self) -> CaptureService:
-        if self.spool.exists():  # an earlier run's files: a resumed trainer asks from its cursor on
-            shutil.rmtree(self.spool)
-        self.spool.mkdir(parents=True)
+        self.spool.mkdir(parents=True, exist_ok=True)
+        for entry in self.spool.iterdir():  # an earlier run's: a resumed trainer asks from its cursor on
+            if entry.name == REPLAY and self.spec.replay_bytes:  # whole files of the first epoch, kept
+                continue
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         (self.spool / SPEC).write_bytes(pickle.dumps(self.spec))
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
@@ -335,6 +372,8 @@ class StreamedSplit:
             "captured_tokens": status.get("tokens", 0),
             "capture_tokens_per_s": status.get("tokens", 0) / capture_s if capture_s else 0.0,
             "service_blocked_s": round(status.get("blocked_s", 0.0), 3),
+            "replayed_sequences": status.get("replayed_sequences", 0),
+            "replay_bytes_used": status.get("replay_bytes_used", 0),
             "peak_spool_bytes": status.get("peak_spool_bytes", 0),
         }
 
@@ -355,8 +394,11 @@ def open_stream(cfg, plan, manifest: dict[str, Any], layers: list[int], compute,
     size = len(load_split(plan.dir("extract"), manifest, "train", verify=False, tokens_only=True))
     service = None
     if compute.is_main:
-        buffer = cfg.train.stream.buffer_bytes
-        spec = StreamSpec(cfg, str(plan.dir("extract")), plan.target_dir, start_step, total, buffer, os.getpid())
+        st = cfg.train.stream
+        spec = StreamSpec(
+            cfg, str(plan.dir("extract")), plan.target_dir, start_step, total, st.buffer_bytes, os.getpid(),
+            st.replay_bytes,
+        )  # fmt: skip
         service = CaptureService(spool, spec).start()
     compute.barrier()
     return StreamedSplit(spool, size, layer_columns(manifest, layers), cfg.train.stream.stall_timeout_s, service)
