@@ -18,7 +18,7 @@ from typing import Any, Iterator
 from omegaconf import OmegaConf
 
 from orchestrator import compute as compute_mod
-from orchestrator import engines, preflight, runner, tracking
+from orchestrator import engines, preflight, results, runner, tracking
 from orchestrator.artifacts import CODE_VERSION, MANIFEST, file_sha256, stable_hash, write_json
 from orchestrator.config import (
     RootConfig,
@@ -213,7 +213,8 @@ def make_plan(cfg: RootConfig, run_dir: Path) -> Plan:
 def run_stage(stage: str, cfg: RootConfig, plan: Plan, run_id: str, finalize: bool = False) -> dict[str, Any]:
     """Job entry point: runs one stage, logging to the pipeline's MLflow run. A failure marks the run failed
     (with the error) from inside the job, so that it shows even when nobody waits on the job; the last stage
-    of the pipeline also writes the summary and closes the run."""
+    of the pipeline also writes the summary and closes the run. Returns the stage's result as its manifest stores
+    it (`{}` on a rank other than 0): what the job hands back is plain data."""
     import torch
 
     module = importlib.import_module(f"orchestrator.stages.{stage}")
@@ -248,20 +249,23 @@ def run_stage(stage: str, cfg: RootConfig, plan: Plan, run_id: str, finalize: bo
     finally:
         if compute is not None:
             compute.close()
-    return result
+    return result.to_dict() if result is not None else {}
 
 
 def finish(cfg: RootConfig, plan: Plan, tracker: tracking.Tracker) -> dict[str, Any]:
     """Writes `summary.json` from the stages' manifests, gives the MLflow run the metrics of its cached stages
     and its note, and closes it."""
-    results = {}
+    typed: dict[str, results.StageResult] = {}
     for entry in plan.stages:
-        manifest = plan.dir(entry["stage"]) / MANIFEST
-        results[entry["stage"]] = json.loads(manifest.read_text()).get("result", {}) if manifest.exists() else {}
+        stage = entry["stage"]
+        manifest = plan.dir(stage) / MANIFEST
+        typed[stage] = results.load(
+            stage, json.loads(manifest.read_text()).get("result", {}) if manifest.exists() else {}
+        )
         if entry["cached"]:
-            tracking.relog_cached(tracker, entry["stage"], plan.dir(entry["stage"]), results[entry["stage"]])
-            results[entry["stage"]]["cached"] = True
-    summary = build_summary(cfg, plan, results, tracker.run_id)
+            tracking.relog_cached(tracker, stage, plan.dir(stage), typed[stage])
+            typed[stage].cached = True
+    summary = build_summary(cfg, plan, typed, tracker.run_id)
     summary["seconds"] = stage_seconds(plan)
     summary["mlflow_url"] = tracker.url()
     write_json(Path(plan.run_dir) / "summary.json", summary)
@@ -558,18 +562,20 @@ def _report_submitted(plan: Plan, jobs: list, run_id: str, url: str) -> dict[str
     }
 
 
-def build_summary(cfg: RootConfig, plan: Plan, results: dict[str, Any], run_id: str) -> dict[str, Any]:
+def build_summary(cfg: RootConfig, plan: Plan, typed: dict[str, results.StageResult], run_id: str) -> dict[str, Any]:
+    """The run's summary.json: each stage's result as its manifest stores it (with "cached" where the run took it
+    from the cache), and every mismatch eval and serve flagged."""
     summary: dict[str, Any] = {
         "run_name": cfg.run_name,
         "aux_layers": list(cfg.aux_layers),
         "mlflow_run_id": run_id,
         "tracking_uri": plan.tracking_uri,
         "run_dir": plan.run_dir,
-        "stages": results,
+        "stages": {stage: result.to_dict() for stage, result in typed.items()},
     }
     flags = []
     for stage in ("eval", "serve"):
-        flags += results.get(stage, {}).get("mismatch_flags", [])
+        flags += (typed[stage].mismatch_flags or []) if stage in typed else []
     summary["mismatch_flags"] = flags
     return summary
 
@@ -583,7 +589,8 @@ def time_row(summary: dict[str, Any]) -> str:
         parts.append(f"{stage} {seconds}" if seconds == "cached" else f"{stage} {seconds:.1f} s" + (
             f" (job {job:.1f} s)" if job is not None else ""
         ))  # fmt: skip
-    for mode, t in summary.get("stages", {}).get("serve", {}).get("server_seconds", {}).items():
+    serve = results.load("serve", summary.get("stages", {}).get("serve", {}))
+    for mode, t in (serve.server_seconds or {}).items():
         parts.append(f"{mode} server: start {t['startup_s']:.1f} s, warm-up {t['warmup_s']:.1f} s, "
                      f"passes {t['measure_s']:.1f} s")  # fmt: skip
     if "total_seconds" in summary:
@@ -598,9 +605,12 @@ def print_summary(summary: dict[str, Any]) -> None:
     table = Table(title=f"summary  (MLflow run {summary['mlflow_run_id']})")
     table.add_column("stage")
     table.add_column("result", overflow="fold")
-    for stage, result in summary["stages"].items():
-        headline = result.get("headline") or {k: v for k, v in result.items() if isinstance(v, (int, float, str, bool))}
-        ran = result.get("compute")
+    for stage, stored in summary["stages"].items():
+        result = results.load(stage, stored)
+        headline = result.headline or {
+            k: v for k, v in result.to_dict().items() if isinstance(v, (int, float, str, bool))
+        }
+        ran = result.compute
         where = (
             f"  (on {ran['device']}, {ran['dtype']}, {ran['world_size']} rank{'s' if ran['world_size'] > 1 else ''})"
             if ran

@@ -32,7 +32,7 @@ from typing import Any, Iterator, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from orchestrator import engines, preflight, pruning, runner, tracking
+from orchestrator import engines, preflight, pruning, results, runner, tracking
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import stable_hash, write_json
 from orchestrator.config import ConfigError, RootConfig, extract_storage, load
@@ -302,8 +302,12 @@ def objective_name(cfg: RootConfig) -> str:
 
 
 def objective(cfg: RootConfig, summary: dict[str, Any]) -> float:
+    """The trial's value: its summary's serve speedup, or eval's expected accept length without a serve stage."""
     stage, key = objective_name(cfg).split("/")
-    return float(summary["stages"][stage][key])
+    value = getattr(results.load(stage, summary["stages"][stage]), key)
+    if value is None:  # a stage that measured nothing (eval on a draft that cannot consume what serving captures)
+        raise KeyError(f"{stage} measured no {key}: the trial has no objective value")
+    return float(value)
 
 
 def fingerprint(experiment: dict[str, Any], search: SearchConfig) -> str:

@@ -31,6 +31,9 @@ from mlflow.entities import Metric, Param, RunTag  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from orchestrator import results  # noqa: E402
+from orchestrator.results import EvalResult, ServeResult, StageResult  # noqa: E402
+
 PARAM_VALUE_LIMIT = 6000
 BATCH_LIMIT = 100  # params/tags per log_batch call
 
@@ -115,7 +118,7 @@ class Tracker:
     def artifact(self, path: Path, artifact_path: str | None = None) -> None:
         self._write("artifact", path=str(path), artifact_path=artifact_path)
 
-    def stage_result(self, stage: str, result: Mapping[str, Any]) -> None:
+    def stage_result(self, stage: str, result: StageResult | Mapping[str, Any]) -> None:
         """A finished stage's metrics, under the names `stage_metrics` gives them."""
         self.metrics(stage_metrics(stage, result))
 
@@ -431,49 +434,61 @@ def train_val_metrics(val: Mapping[str, Any]) -> dict[str, float]:
     return {f"train/val_{k}": v for k, v in _numbers(val, keys).items()}
 
 
-def stage_metrics(stage: str, result: Mapping[str, Any]) -> dict[str, float]:
-    """A stage's MLflow metrics from its result (the one in its manifest), each quantity once: the live stage
-    and a cached extraction's re-log (`relog_cached`) log the same names. Training logs as it goes
+def stage_metrics(stage: str, result: StageResult | Mapping[str, Any]) -> dict[str, float]:
+    """A stage's MLflow metrics from its result (typed, or the dict in its manifest), each quantity once: the live
+    stage and a cached extraction's re-log (`relog_cached`) log the same names. Training logs as it goes
     (`train_step_metrics`, `train_val_metrics`)."""
+    if stage not in ("extract", "eval", "serve"):
+        raise ValueError(f"no MLflow metrics defined for stage {stage!r}")
+    r = results.typed(stage, result)
     if stage == "extract":
         keys = ("tokens", "tokens_per_s", "bytes_per_token", "regenerate_s", "loss_tokens_per_sequence")
-        out = _numbers(result, keys)
+        out = _numbers({k: getattr(r, k) for k in keys}, keys)
     elif stage == "eval":
-        keys = [
-            *_positions(result, "acc_"),
-            *_positions(result, "trained_states_acc_"),
-            *_positions(result, "acc_gap_"),
-            *_positions(result, "acc_gap_se_"),
-            "expected_accept_length",
-            "sequences",
-            "verify_passes",
-        ]
-        out = _numbers(result, keys) | {"mismatch": float(bool(result.get("mismatch")))}
-    elif stage == "serve":
-        out = _serve_metrics(result)
+        out = _eval_metrics(r)
     else:
-        raise ValueError(f"no MLflow metrics defined for stage {stage!r}")
+        out = _serve_metrics(r)
     return {f"{stage}/{k}": v for k, v in out.items()}
 
 
-def _serve_metrics(result: Mapping[str, Any]) -> dict[str, float]:
-    rows = result.get("per_concurrency", [])
-    out = _numbers(result, ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length", "accept_length_rel_diff"))
+def _by_position(stem: str, values: Sequence[Any]) -> dict[str, Any]:
+    """A per-position list under its metric names: `<stem>0`, `<stem>1`, ..."""
+    return {f"{stem}{k}": v for k, v in enumerate(values)}
+
+
+def _eval_metrics(r: EvalResult) -> dict[str, float]:
+    scalars = {k: getattr(r, k) for k in ("expected_accept_length", "sequences", "verify_passes")}
+    values = (
+        _by_position("acc_", r.acc)
+        | _by_position("trained_states_acc_", r.trained_states_acc)
+        | _by_position("acc_gap_", r.acc_gap)
+        | _by_position("acc_gap_se_", r.acc_gap_se)
+        | scalars
+    )
+    return _numbers(values, values) | {"mismatch": float(bool(r.mismatch))}
+
+
+def _serve_metrics(r: ServeResult) -> dict[str, float]:
+    rows = r.per_concurrency or []
+    keys = ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length", "accept_length_rel_diff")
+    out = _numbers({k: getattr(r, k) for k in keys}, keys)
     if rows:
         head = rows[0]
         out |= _numbers(head, ("baseline_latency_mean_s", "spec_latency_mean_s")) | _spread(head)
-    out |= {k: float(v) for k, v in result.items() if k.endswith("_ms") and isinstance(v, (int, float))}
-    out |= {f"accept_rate_{i}": r for i, r in enumerate(result.get("accept_rate_by_position", []))}
-    out |= {f"acceptance_{i}": r for i, r in enumerate(result.get("acceptance_by_position", []))}
-    out |= _numbers(result, tuple(f"{m}_{k}" for m in ("baseline", "spec") for k in ("ttft_mean_s", "itl_mean_s")))
+    out |= {k: float(v) for k, v in r.phase_ms.items() if isinstance(v, (int, float))}
+    out |= _by_position("accept_rate_", r.accept_rate_by_position or [])
+    out |= _by_position("acceptance_", r.acceptance_by_position or [])
+    out |= _numbers(
+        r.engine_latency, tuple(f"{m}_{k}" for m in ("baseline", "spec") for k in ("ttft_mean_s", "itl_mean_s"))
+    )
     for row in rows[1:]:  # the headline is the first concurrency; others get their own names
         out |= {
             f"c{row['concurrency']}_{k}": v
             for k, v in _numbers(row, ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length")).items()
         }
-    out["greedy_outputs_identical"] = float(bool(result.get("greedy_outputs_identical")))
-    out |= _numbers(result, ("greedy_differing_token_rate",))
-    out["mismatch"] = float(bool(result.get("mismatch")))
+    out["greedy_outputs_identical"] = float(bool(r.greedy_outputs_identical))
+    out |= _numbers({"greedy_differing_token_rate": r.greedy_differing_token_rate}, ("greedy_differing_token_rate",))
+    out["mismatch"] = float(bool(r.mismatch))
     return out
 
 
@@ -498,54 +513,55 @@ def compute_params(described: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in described.items() if v is not None}
 
 
-def relog_cached(tracker: Tracker, stage: str, stage_dir: Path, result: Mapping[str, Any]) -> None:
+def relog_cached(tracker: Tracker, stage: str, stage_dir: Path, result: StageResult | Mapping[str, Any]) -> None:
     """A cached extraction, draft or evaluation gives this run the metrics (and the training's validation curve and
     accuracy plot, and eval's mismatch tags) that the run which produced it logged, so the compare view shows no
     hole for it."""
     stage_dir = Path(stage_dir)
-    if result.get("compute"):  # how the cached stage ran, as a live one records it (pipeline.run_stage)
-        tracker.params({f"{stage}.{k}": v for k, v in compute_params(result["compute"]).items()})
+    result = results.typed(stage, result)
+    if result.compute:  # how the cached stage ran, as a live one records it (pipeline.run_stage)
+        tracker.params({f"{stage}.{k}": v for k, v in compute_params(result.compute).items()})
     if stage == "train":  # training writes metrics.json and the plot before its manifest
         for entry in json.loads((stage_dir / "metrics.json").read_text())["history"]:
             tracker.train_validation(entry["step"], entry)
         tracker.artifact(stage_dir / "accuracy_by_position.png", "train")
     else:
         tracker.stage_result(stage, result)
-    if "mismatch" in result:  # the tags a live eval sets (stages/eval.py)
-        flags = result.get("mismatch_flags") or []
+    if isinstance(result, (EvalResult, ServeResult)) and result.mismatch is not None:  # as a live eval tags it
+        flags = result.mismatch_flags or []
         tracker.tags(
-            {f"{stage}.mismatch": str(result["mismatch"]).lower()}
+            {f"{stage}.mismatch": str(result.mismatch).lower()}
             | ({f"{stage}.mismatch_flags": " | ".join(flags)} if flags else {})
         )
 
 
 def run_note(summary: Mapping[str, Any]) -> str:
     """The run's description: a markdown headline of what the run measured, and any mismatch in full."""
-    stages = summary["stages"]
-    train, ev, serve = (stages.get(s, {}) for s in ("train", "eval", "serve"))
+    stages = {s: results.typed(s, r) for s, r in summary["stages"].items()}
+    train, ev, serve = (stages.get(s) or results.load(s, {}) for s in ("train", "eval", "serve"))
     rows = [("layers (aux_layers)", ", ".join(map(str, summary["aux_layers"])))]
-    own = [ev[k] for k in _positions(ev, "acc_")] or [train[k] for k in _positions(train, "val_acc_")]
+    own = ev.acc or train.val_acc
     if own:
-        source = "eval, exported draft on the live target" if "acc_0" in ev else "training validation"
+        source = "eval, exported draft on the live target" if ev.acc else "training validation"
         rows.append((f"acc_0..{len(own) - 1} (own tokens; {source})", " / ".join(f"{a:.3f}" for a in own)))
-    if serve.get("accept_length") is not None:  # None: the target ended every answer before a verify pass
-        rows.append(("accept length, served (tokens per verify pass, bonus included)", f"{serve['accept_length']:.2f}"))
-    expected = ev.get("expected_accept_length", train.get("val_expected_accept_length"))
+    if serve.accept_length is not None:  # None: the target ended every answer before a verify pass
+        rows.append(("accept length, served (tokens per verify pass, bonus included)", f"{serve.accept_length:.2f}"))
+    expected = ev.expected_accept_length if ev.expected_accept_length is not None else train.val_expected_accept_length
     if expected is not None:
         rows.append(
             (
                 "expected accept length (eval)"
-                if "expected_accept_length" in ev
+                if ev.expected_accept_length is not None
                 else "expected accept length (training)",
                 f"{expected:.2f}",
             )
         )
-    if "speedup" in serve:
-        spread = _spread((serve.get("per_concurrency") or [{}])[0])
+    if serve.speedup is not None:
+        spread = _spread((serve.per_concurrency or [{}])[0])
         span = f" (range {spread['speedup_min']:.2f}-{spread['speedup_max']:.2f} over the passes)" if spread else ""
-        rows.append(("speedup, speculative / baseline tok/s (median pass)", f"**{serve['speedup']:.2f}x**{span}"))
-        rows.append(("tok/s baseline / speculative", f"{serve['baseline_tok_s']:.0f} / {serve['spec_tok_s']:.0f}"))
-    cached = [s for s, r in stages.items() if r.get("cached")]
+        rows.append(("speedup, speculative / baseline tok/s (median pass)", f"**{serve.speedup:.2f}x**{span}"))
+        rows.append(("tok/s baseline / speculative", f"{serve.baseline_tok_s:.0f} / {serve.spec_tok_s:.0f}"))
+    cached = [s for s, r in stages.items() if r.cached]
     rows.append(("cached stages", ", ".join(cached) or "none"))
     flags = summary.get("mismatch_flags") or []
     rows.append(("mismatch", "**yes**, see below" if flags else "none"))

@@ -26,6 +26,7 @@ from orchestrator.config import RootConfig
 from orchestrator.data import conversations, prompt_ids
 from orchestrator.draft import export as draft_export
 from orchestrator.draft.served import served_draft_dir
+from orchestrator.results import EvalResult
 from orchestrator.states.shards import load_split
 from orchestrator.targets import load_target, tokenizer_hash
 
@@ -196,7 +197,7 @@ def mismatch_causes(cfg: RootConfig, prov: dict[str, Any], layers: list[int], ta
     return causes
 
 
-def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
+def run(cfg: RootConfig, plan, tracker, compute: Compute) -> EvalResult:
     """The exported draft, as serving gets it, run against the live target: its accuracy on the validation
     sequences paired with the same draft fed its training states, its expected accept length, and a flag for every
     train/serve difference found."""
@@ -210,7 +211,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     manifest = _extraction_trained_on(extract_dir, prov, draft_dir)
     model, tokenizer = load_target(Path(plan.target_dir), cfg.target.trust_remote_code, compute, cfg.data.chat_template)
     layers = served_layers(cfg, draft_conf)
-    result: dict[str, Any] = {
+    measured: dict[str, Any] = {  # the result's stored keys, in their order, as the measurements give them
         "served_layers": layers,
         "trained_layers": prov.get("aux_layers"),
         "draft_steps": cfg.eval.draft_steps,
@@ -226,14 +227,13 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
             "so no accuracy or accept length was measured. Causes: "
             + "; ".join(mismatch_causes(cfg, prov, layers, None))
         )
-        result |= {"mismatch": True, "mismatch_flags": flags}
+        measured |= {"mismatch": True, "mismatch_flags": flags}
     else:
-        result |= _measured(cfg, (model, tokenizer, draft), layers, (extract_dir, manifest), prov, compute)
-        flags += _mismatch_flags(cfg, plan, result, prov)
-        result |= {"mismatch": bool(flags), "mismatch_flags": flags}
-    result["headline"] = {
-        k: result[k] for k in ("acc_0", "trained_states_acc_0", "expected_accept_length", "mismatch") if k in result
-    }
+        measured |= _measured(cfg, (model, tokenizer, draft), layers, (extract_dir, manifest), prov, compute)
+        flags += _mismatch_flags(cfg, plan, measured, prov)
+        measured |= {"mismatch": bool(flags), "mismatch_flags": flags}
+    result = EvalResult.from_dict(measured)
+    result.headline = result.make_headline()
     _record(plan, tracker, out, result)
     return result
 
@@ -299,15 +299,14 @@ def _mismatch_flags(cfg: RootConfig, plan, result: dict[str, Any], prov: dict[st
     return flags
 
 
-def _record(plan, tracker, out: Path, result: dict[str, Any]) -> None:
+def _record(plan, tracker, out: Path, result: EvalResult) -> None:
     """The result in MLflow (metrics, the mismatch tags), eval.json and the manifest, last; each flag printed."""
-    flags = result["mismatch_flags"]
+    flags = result.mismatch_flags
     tracker.stage_result("eval", result)
     tracker.tags(
-        {"eval.mismatch": str(result["mismatch"]).lower()}
-        | ({"eval.mismatch_flags": " | ".join(flags)} if flags else {})
+        {"eval.mismatch": str(result.mismatch).lower()} | ({"eval.mismatch_flags": " | ".join(flags)} if flags else {})
     )
-    write_json(out / "eval.json", result)
-    write_manifest(out, {"stage": "eval", "key": plan.stage_keys["eval"], "result": result})
+    write_json(out / "eval.json", result.to_dict())
+    write_manifest(out, {"stage": "eval", "key": plan.stage_keys["eval"], "result": result.to_dict()})
     for flag in flags:
         print(f"[eval] MISMATCH: {flag}")

@@ -25,6 +25,7 @@ from orchestrator.config import RootConfig, captured_layers
 from orchestrator.data import Rendered, conversations, data_identity
 from orchestrator.engines import CaptureJob
 from orchestrator.regenerate import Endpoint, keep_regenerated, read_regenerated, regenerate, sequences
+from orchestrator.results import ExtractResult
 from orchestrator.states.shards import (
     CONVENTIONS,
     VERIFIED,
@@ -40,7 +41,7 @@ from orchestrator.targets import ensure_target, identity, load_tokenizer, templa
 MIN_RESPONSE_TOKENS = 4
 
 
-def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
+def run(cfg: RootConfig, plan, tracker, compute: Compute) -> ExtractResult | None:
     """Extracts every conversation's states, data-parallel over the job's ranks.
 
     The shards are fixed by the data alone: shard i of a split holds conversations [i*S, (i+1)*S) with
@@ -64,7 +65,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     mine_done = {"tokens": tokens, "seconds": time.time() - started, "regenerate_s": regenerate_s}
     done = _join_ranks(out, compute, mine_done, heartbeat)
     if not compute.is_main:
-        return {}
+        return None
     splits = {split: _split_record(out, split, len(chunks), streamed(cfg, split)) for split, chunks in shards.items()}
     with atomic_path(out / "token_freq.safetensors") as tmp:
         save_file({"counts": token_counts(out, splits["train"]["shards"], target.vocab_size)}, str(tmp))
@@ -175,7 +176,7 @@ def _warn_if_short(cfg: RootConfig, per_seq: float) -> None:
         )
 
 
-def _result(out: Path, compute: Compute, splits: dict[str, Any], done: list[dict[str, float]]) -> dict[str, Any]:
+def _result(out: Path, compute: Compute, splits: dict[str, Any], done: list[dict[str, float]]) -> ExtractResult:
     """The stage's figures over all ranks: tokens, the extraction's own speed (the slowest rank's seconds less its
     regeneration's), bytes per token."""
     extracted_now = sum(d["tokens"] for d in done)
@@ -183,18 +184,18 @@ def _result(out: Path, compute: Compute, splits: dict[str, Any], done: list[dict
     total_tokens = splits["train"]["num_tokens"] + splits["val"]["num_tokens"]
     stored = [sp for sp in splits.values() if sp.get("states", True)]  # a streamed split's shards hold token ids
     total_bytes = sum(s["bytes"] for sp in stored for s in sp["shards"])
-    result = {
-        "tokens": total_tokens,
-        "tokens_extracted_now": extracted_now,
+    result = ExtractResult(
+        tokens=total_tokens,
+        tokens_extracted_now=extracted_now,
         # hidden-state extraction alone, over all ranks; the target's own responses took `regenerate_s` before it
-        "tokens_per_s": extracted_now / max(float(seconds - regenerate_s), 1e-9) if extracted_now else 0.0,
-        "regenerate_s": float(regenerate_s),
-        "bytes_per_token": total_bytes / max(sum(sp["num_tokens"] for sp in stored), 1),
-        "loss_tokens_per_sequence": splits["train"]["loss_tokens_per_sequence"],
-        "output": str(out),
-        "compute": compute.describe(),
-    }
-    result["headline"] = {k: result[k] for k in ("tokens", "tokens_per_s", "bytes_per_token")}
+        tokens_per_s=extracted_now / max(float(seconds - regenerate_s), 1e-9) if extracted_now else 0.0,
+        regenerate_s=float(regenerate_s),
+        bytes_per_token=total_bytes / max(sum(sp["num_tokens"] for sp in stored), 1),
+        loss_tokens_per_sequence=splits["train"]["loss_tokens_per_sequence"],
+        output=str(out),
+        compute=compute.describe(),
+    )
+    result.headline = result.make_headline()
     return result
 
 
@@ -234,7 +235,7 @@ def _manifest(cfg: RootConfig, plan, target, layers: list[int], compute: Compute
         },
         "splits": splits,
         "token_freq": "token_freq.safetensors",
-        "result": result,
+        "result": result.to_dict(),
     }
 
 

@@ -26,6 +26,7 @@ from orchestrator.draft import export as draft_export
 from orchestrator.draft import guard
 from orchestrator.draft.served import served_draft_dir
 from orchestrator.engines import client, server_command
+from orchestrator.results import EvalResult, ServeResult
 from orchestrator.targets import load_tokenizer, target_config_json
 
 
@@ -198,7 +199,7 @@ def _refuse_or_flag(cfg: RootConfig, draft: Path, loaded: dict[str, Any] | None,
         flags.append(f"serve: guard off, serving anyway: {refusal}")
 
 
-def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
+def run(cfg: RootConfig, plan, tracker, compute: Compute) -> ServeResult:
     """The target served without and with the draft on the same prompts, each server's passes measured once per
     key (`measure`), their outputs and speeds compared, and what the engine counted held to eval's prediction."""
     s = cfg.serve
@@ -215,13 +216,15 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     prompts = _prompts(cfg, target)
     keys = measurement_keys(plan.stage_keys, engine.measuring(installed), prompts)
     servers, started, loaded = _measure_servers(cfg, plan, tracker, compute, (target, draft), prompts, keys, flags)
-    result = _compared(cfg, servers, flags)
-    result |= _how_measured(cfg, installed, servers, started, keys, tracker.run_id)
-    result |= {"eagle_aux_hidden_state_layer_ids": ids, "compute": compute.describe()}
-    result |= _engine_counts(cfg, loaded, servers)
-    result |= _against_eval(cfg, plan, result["accept_length"], flags)
-    result |= {"mismatch": bool(flags), "mismatch_flags": flags}
-    result["headline"] = _headline(result)
+    # the result's stored keys, in their order, as the measurements give them
+    measured = _compared(cfg, servers, flags)
+    measured |= _how_measured(cfg, installed, servers, started, keys, tracker.run_id)
+    measured |= {"eagle_aux_hidden_state_layer_ids": ids, "compute": compute.describe()}
+    measured |= _engine_counts(cfg, loaded, servers)
+    measured |= _against_eval(cfg, plan, measured["accept_length"], flags)
+    measured |= {"mismatch": bool(flags), "mismatch_flags": flags}
+    result = ServeResult.from_dict(measured)
+    result.headline = result.make_headline()
     _record(plan, tracker, out, result, servers)
     return result
 
@@ -414,7 +417,7 @@ def _against_eval(cfg: RootConfig, plan, accept_length: float, flags: list[str])
     eval_manifest = plan.dir("eval") / "manifest.json"
     if not eval_manifest.exists():
         return {}
-    expected = read_json(eval_manifest, "eval manifest")["result"].get("expected_accept_length")
+    expected = EvalResult.from_dict(read_json(eval_manifest, "eval manifest")["result"]).expected_accept_length
     result: dict[str, Any] = {"eval_expected_accept_length": expected}
     if expected and accept_length:
         rel = abs(accept_length - expected) / expected
@@ -428,15 +431,7 @@ def _against_eval(cfg: RootConfig, plan, accept_length: float, flags: list[str])
     return result
 
 
-def _headline(result: dict[str, Any]) -> dict[str, Any]:
-    keys = ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length", "eval_expected_accept_length")
-    headline = {k: result.get(k) for k in (*keys, "greedy_outputs_identical")}
-    if "baseline_from" in result:  # beside the speedup: a baseline another machine or day measured
-        headline["baseline_from"] = result["baseline_from"]
-    return headline
-
-
-def _record(plan, tracker, out: Path, result: dict[str, Any], servers: dict[str, dict[str, Any]]) -> None:
+def _record(plan, tracker, out: Path, result: ServeResult, servers: dict[str, dict[str, Any]]) -> None:
     """The result in MLflow (who measured each server, the metrics, the mismatch tag), serve.json with each
     server's passes (less their token ids), and the manifest, last."""
     tracker.tags(
@@ -444,9 +439,9 @@ def _record(plan, tracker, out: Path, result: dict[str, Any], servers: dict[str,
          for mode in servers}
     )  # fmt: skip
     tracker.stage_result("serve", result)
-    tracker.tags({"serve.mismatch": str(result["mismatch"]).lower()})
+    tracker.tags({"serve.mismatch": str(result.mismatch).lower()})
     detail = {
-        "result": result,
+        "result": result.to_dict(),
         "servers": {
             m: {k: v for k, v in srv.items() if k != "runs"}
             | {"runs": [{k: v for k, v in r.items() if k != "output_ids"} for r in srv["runs"]]}
@@ -454,6 +449,6 @@ def _record(plan, tracker, out: Path, result: dict[str, Any], servers: dict[str,
         },
     }
     write_json(out / "serve.json", detail)
-    write_manifest(out, {"stage": "serve", "key": plan.stage_keys["serve"], "result": result})
-    for flag in result["mismatch_flags"]:
+    write_manifest(out, {"stage": "serve", "key": plan.stage_keys["serve"], "result": result.to_dict()})
+    for flag in result.mismatch_flags:
         print(f"[serve] MISMATCH: {flag}")

@@ -26,6 +26,7 @@ from orchestrator.config import RootConfig
 from orchestrator.draft import export as draft_export
 from orchestrator.draft import rope as draft_rope
 from orchestrator.draft.model import Eagle3Draft, default_shape
+from orchestrator.results import TrainResult
 from orchestrator.states.assemble import rms_norm
 from orchestrator.states.manifest import load_manifest_checked
 from orchestrator.states.shards import SequenceStates, load_split, verify_shards
@@ -319,7 +320,7 @@ def build_draft(
     return draft, head
 
 
-def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
+def run(cfg: RootConfig, plan, tracker, compute: Compute) -> TrainResult | None:
     """Trains on every rank of the job (DDP: one process per GPU, or gloo processes on CPUs). Each global batch
     is the same whatever the number of ranks, split between them; rank 0 alone writes checkpoints, the export,
     metrics and the manifest."""
@@ -334,7 +335,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
     target_path = Path(plan.target_dir)
     _check_tokenizer(extract_dir, manifest, target_path)
     if tc.from_draft is not None:
-        return import_draft(cfg, plan, manifest, target_path) if compute.is_main else {}
+        return import_draft(cfg, plan, manifest, target_path) if compute.is_main else None
     verify_shards(extract_dir, manifest, compute)
     val_seqs = load_split(extract_dir, manifest, "val", list(tc.layers), verify=False)
     draft, head = build_draft(cfg, target_path, extract_dir, manifest)
@@ -353,16 +354,17 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> dict[str, Any]:
         train_seqs.close()
     final = history[-1] if history else loop.validate(val_seqs)
     if not compute.is_main:
-        return {}
+        return None
     result = export_draft(cfg, plan, draft, manifest, target_path, final, tc.ttt_steps)
-    result["compute"] = compute.describe()
+    result.compute = compute.describe()
     if tc.states == "stream":
-        result["stream"] = _stream_report(cfg, train_seqs, tracker)
+        result.stream = _stream_report(cfg, train_seqs, tracker)
     write_json(out / "metrics.json", {"history": history, "final": final})
     plot = plot_accuracy(final, tc.ttt_steps, out / "accuracy_by_position.png")
     tracker.artifact(plot, "train")
     write_manifest(
-        out, {"stage": "train", "key": plan.stage_keys["train"], "extract_key": manifest["key"], "result": result}
+        out,
+        {"stage": "train", "key": plan.stage_keys["train"], "extract_key": manifest["key"], "result": result.to_dict()},
     )
     return result
 
@@ -522,7 +524,7 @@ class _Loop:
 
 def export_draft(
     cfg: RootConfig, plan, draft: Eagle3Draft, manifest: dict, target_path: Path, final: dict, steps: int
-) -> dict[str, Any]:
+) -> TrainResult:
     t, s = cfg.target, cfg.serve
     ids = engines.to_engine_ids(s.engine, cfg.train.layers, t.num_hidden_layers, t.family, engines.engine_version(s))
     tconf = target_config_json(target_path)
@@ -541,10 +543,8 @@ def export_draft(
     }
     draft_dir = plan.dir("train") / "draft"
     draft_export.export(draft, draft_dir, conf, provenance, tconf)
-    result = {"draft_dir": str(draft_dir), "eagle_aux_hidden_state_layer_ids": ids} | {
-        f"val_{k}": v for k, v in final.items()
-    }
-    result["headline"] = {k: final[k] for k in ("acc_0", "acc_1", "acc_2", "expected_accept_length") if k in final}
+    result = TrainResult.from_validation(final, draft_dir=str(draft_dir), eagle_aux_hidden_state_layer_ids=ids)
+    result.headline = result.make_headline()
     return result
 
 
@@ -564,7 +564,7 @@ def draft_provenance(cfg: RootConfig, plan, manifest: dict, ids: list[int]) -> d
     }
 
 
-def import_draft(cfg: RootConfig, plan, manifest: dict, target_path: Path) -> dict[str, Any]:
+def import_draft(cfg: RootConfig, plan, manifest: dict, target_path: Path) -> TrainResult:
     """train.from_draft: a draft trained elsewhere, written as this stage's draft (the project's format, the ids of
     `train.layers` for serve.engine, provenance naming the folder it came from) instead of training one, so that
     eval and serve measure it on this target and data like a trained draft. Its TTT depth is not known."""
@@ -579,10 +579,12 @@ def import_draft(cfg: RootConfig, plan, manifest: dict, target_path: Path) -> di
         Path(cfg.train.from_draft), draft_dir, target_path, list(cfg.train.layers), ids,
         engines.id_convention(s.engine), provenance,
     )  # fmt: skip
-    result = {"draft_dir": str(draft_dir), "eagle_aux_hidden_state_layer_ids": ids}
-    result["imported_from"] = cfg.train.from_draft
+    result = TrainResult(
+        draft_dir=str(draft_dir), eagle_aux_hidden_state_layer_ids=ids, imported_from=cfg.train.from_draft
+    )
     write_manifest(
-        out, {"stage": "train", "key": plan.stage_keys["train"], "extract_key": manifest["key"], "result": result}
+        out,
+        {"stage": "train", "key": plan.stage_keys["train"], "extract_key": manifest["key"], "result": result.to_dict()},
     )
     print(f"[train] imported {cfg.train.from_draft} as reading aux_layers={list(cfg.train.layers)}: {draft_dir}")
     return result
