@@ -24,6 +24,7 @@ from orchestrator.config import (
     RootConfig,
     captured_layers,
     extract_storage,
+    stream_cost,
     tasks_per_node,
     world_size,
 )
@@ -206,6 +207,7 @@ def make_plan(cfg: RootConfig, run_dir: Path) -> Plan:
                 "layer_ids": stage_layer_ids(cfg, stage),
             }
             | ({"storage": extract_storage(cfg)} if stage == "extract" else {})
+            | ({"stream": stream_cost(cfg)} if stage == "train" and cfg.train.states == "stream" else {})
         )
     return plan
 
@@ -319,6 +321,37 @@ def print_plan(plan: Plan) -> None:
                 f"{st['bytes_per_token']:,} bytes/token ({st['states_per_token']} states); extract.max_bytes="
                 f"{st['limit_bytes'] / 1e9:,.1f} GB"
             )
+        if s.get("stream"):
+            print_stream_cost(s["stream"], s["resources"])
+
+
+def print_stream_cost(st: dict[str, Any], resources: dict[str, Any]) -> None:
+    """train.states=stream on paper (`config.stream_cost`): what the stream carries, what each choice of epochs
+    costs, the link each side needs where its rate is estimated, and where the capture service runs."""
+    print(
+        f"train streams its states (train.states=stream; docs/streaming.md): {st['bytes_per_token']:,} bytes/token, "
+        f"an epoch at most {st['epoch_tokens']:,} tokens = {st['epoch_bytes'] / 1e9:,.1f} GB through the stream, "
+        f"none stored; spool bound train.stream.buffer_bytes={st['buffer_bytes']:,}"
+    )
+    re, rp = st["recapture"], st["replay"]
+    print(
+        f"  {st['epochs']:g} epochs: capture every epoch = {re['capture_passes']:g} capture passes, 0 GB kept; "
+        f"replay the first (train.stream.replay_bytes) = {rp['capture_passes']:.2f} passes, "
+        f"{rp['bytes_kept'] / 1e9:,.1f} GB kept"
+    )
+    rates = []
+    if "trainers_bytes_per_s" in st:
+        rates.append(f"the trainers consume up to {st['trainers_bytes_per_s'] / 1e9:,.2f} GB/s")
+    if "capture_bytes_per_s" in st:
+        rates.append(f"the capture service produces up to {st['capture_bytes_per_s'] / 1e9:,.2f} GB/s")
+    if rates:
+        print("  link (train.stream.*_samples_per_s x data.max_seq_len tokens a sample): " + "; ".join(rates))
+    else:
+        print("  link: not priced (set train.stream.train_samples_per_s and train.stream.capture_samples_per_s)")
+    print(
+        f"  capture service: beside rank 0 of the train job, on its node's devices ({resources['gpus_per_node']} "
+        "GPU(s)); a Slurm job of its own is not built yet"
+    )
 
 
 def print_mask_preview(cfg: RootConfig, target: Path) -> None:

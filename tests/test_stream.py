@@ -211,3 +211,28 @@ def test_replayed_epochs_capture_once_and_train_the_same_draft(both, tmp_path):
     replayed, captured = load_file(str(tmp_path / "train" / "draft" / "model.safetensors")), _draft(plan)
     for name in captured:
         assert torch.equal(replayed[name], captured[name]), name
+
+
+def test_the_kimi_dry_run_prices_the_stream(tmp_path):
+    """+experiment=kimi_eagle3 train.states=stream, dry run: the extraction stores the val split's states and the
+    train split's token ids alone, and the plan prints what the stream carries (57,344 bytes a token: 3 aux states
+    and the teacher x 7168 x bf16), each choice of epochs, and the link each side needs at the published rates."""
+    from conftest import user_overrides
+
+    env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(tmp_path)}
+    argv = user_overrides(["+experiment=kimi_eagle3", "dry_run=true", "train.states=stream",
+                           "train.stream.replay_bytes=100000000000"])  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", *argv], capture_output=True, text=True, env=env,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    epoch = 2000 * 2048  # data.max_train_conversations x data.max_seq_len
+    # the val split's states and the train split's ids: 200 x 2048 x 57,349 + 2000 x 2048 x 5 bytes
+    assert f"extract writes at most {(200 * 2048 * 57_349 + epoch * 5) / 1e9:,.1f} GB" in proc.stdout
+    assert f"57,344 bytes/token, an epoch at most {epoch:,} tokens = {epoch * 57_344 / 1e9:,.1f} GB" in proc.stdout
+    kept = 1e11 / (epoch * 57_344)
+    assert "10 epochs: capture every epoch = 10 capture passes" in proc.stdout
+    assert f"= {1 + 9 * (1 - kept):.2f} passes, 100.0 GB kept" in proc.stdout
+    trainers, capture = 0.37 * 8 * 2048 * 57_344, 3.0 * 2048 * 57_344
+    assert f"the trainers consume up to {trainers / 1e9:,.2f} GB/s" in proc.stdout
+    assert f"the capture service produces up to {capture / 1e9:,.2f} GB/s" in proc.stdout
+    assert not list(tmp_path.rglob("jobs")), "a dry run submits nothing"

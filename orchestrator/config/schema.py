@@ -185,6 +185,10 @@ class StreamConfig:
     stall_timeout_s: float = MISSING
     # the first epoch's states kept for the later epochs, up to this many bytes; 0: every epoch captures again
     replay_bytes: int = MISSING
+    # estimates for the dry run's link rates (null: not priced): samples/s one trainer GPU consumes, and samples/s the
+    # capture service produces
+    train_samples_per_s: Optional[float] = MISSING
+    capture_samples_per_s: Optional[float] = MISSING
 
 
 @dataclass
@@ -379,22 +383,59 @@ def check_speculative_args(s: ServeConfig) -> None:
         )
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def extract_storage(cfg: RootConfig) -> dict[str, Any]:
     """What the extract stage will write, at most: every conversation at `data.max_seq_len` tokens, each token
     with K captured states and the teacher state of `target.hidden_size` in `extract.dtype`, plus its id and mask."""
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.extract.dtype]
     states = len(captured_layers(cfg)) + 1
-    per_token = states * cfg.target.hidden_size * dtype_bytes + 5  # int32 id + uint8 loss mask
+    per_token = states * cfg.target.hidden_size * DTYPE_BYTES[cfg.extract.dtype] + 5  # int32 id + uint8 loss mask
     conversations = cfg.data.max_train_conversations + cfg.data.max_val_conversations
     tokens = conversations * cfg.data.max_seq_len
+    # train.states=stream: the train split's shards hold its token ids alone (5 bytes a token)
+    stored = cfg.data.max_val_conversations if cfg.train.states == "stream" else conversations
+    ids_only = (conversations - stored) * cfg.data.max_seq_len * 5
     return {
         "conversations": conversations,
         "max_tokens": tokens,
         "states_per_token": states,
         "bytes_per_token": per_token,
-        "max_bytes": tokens * per_token,
+        "max_bytes": stored * cfg.data.max_seq_len * per_token + ids_only,
         "limit_bytes": cfg.extract.max_bytes,
     }
+
+
+def stream_cost(cfg: RootConfig) -> dict[str, Any] | None:
+    """train.states=stream on paper (the dry run prints it): the bytes a token's states take on the stream, an epoch
+    at most (`data.max_train_conversations` x `data.max_seq_len` tokens), what each choice of epochs costs (capture
+    passes against bytes kept, `train.stream.replay_bytes`), and, where the rates are estimated
+    (`train.stream.train_samples_per_s`, `train.stream.capture_samples_per_s`), the link each side needs."""
+    t, st = cfg.train, cfg.train.stream
+    if t.states != "stream":
+        return None
+    per_token = (len(captured_layers(cfg)) + 1) * cfg.target.hidden_size * DTYPE_BYTES[cfg.extract.dtype]
+    samples = cfg.data.max_train_conversations
+    epoch_bytes = samples * cfg.data.max_seq_len * per_token
+    epochs = t.max_steps * t.batch_size / samples if t.max_steps else float(t.epochs)
+    kept = min(st.replay_bytes, epoch_bytes)
+    later = max(epochs - 1, 0.0)
+    out = {
+        "bytes_per_token": per_token,
+        "epoch_tokens": samples * cfg.data.max_seq_len,
+        "epoch_bytes": epoch_bytes,
+        "epochs": epochs,
+        "recapture": {"capture_passes": epochs, "bytes_kept": 0},
+        "replay": {"capture_passes": min(epochs, 1.0) + later * (1 - kept / epoch_bytes), "bytes_kept": kept},
+        "buffer_bytes": st.buffer_bytes,
+    }
+    trainers = t.resources.nodes * max(t.resources.gpus_per_node, 1)
+    sample_bytes = cfg.data.max_seq_len * per_token  # a sample at most
+    if st.train_samples_per_s is not None:
+        out["trainers_bytes_per_s"] = st.train_samples_per_s * trainers * sample_bytes
+    if st.capture_samples_per_s is not None:
+        out["capture_bytes_per_s"] = st.capture_samples_per_s * sample_bytes
+    return out
 
 
 def captured_layers(cfg: RootConfig) -> list[int]:
@@ -419,6 +460,7 @@ __all__ = [
     "DataConfig",
     "DraftConfig",
     "ExtractConfig",
+    "StreamConfig",
     "TrainConfig",
     "EvalConfig",
     "ServeConfig",
@@ -431,5 +473,6 @@ __all__ = [
     "one_pass",
     "check_speculative_args",
     "extract_storage",
+    "stream_cost",
     "captured_layers",
 ]
