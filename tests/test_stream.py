@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import compose_config
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -267,3 +268,27 @@ def test_vllm_streams_the_tiny_kimis_states_to_the_draft_offline_states_train(vl
     assert abs(loss_off - loss_on) <= 0.01 * loss_off
     assert report["captured_sequences"] == cfg.train.max_steps * cfg.train.batch_size
     assert 0 < report["peak_spool_bytes"] <= 1_000_000
+
+
+def test_two_ranks_read_their_shares_of_one_stream(both, tmp_path):
+    """train.resources.tasks_per_node=2 (gloo, cluster=local): rank 0 starts the one service, each rank reads its
+    share of every step from the spool, and the draft is the one-rank streamed draft's up to the order in which the
+    two ranks' gradients are summed. The service captures each step's sequences once, whatever the ranks."""
+    from conftest import copy_cache
+
+    cfg, plan, summary = both["stream"]
+    outputs = copy_cache(cfg.outputs, tmp_path / "outputs")  # the target and the extraction, not the draft
+    two = compose_config(outputs, "stages=[extract,train]", "cluster=local", "train.states=stream",
+                         f"train.stream.buffer_bytes={BUFFER}", "train.resources.tasks_per_node=2",
+                         "train.resources.cpus_per_task=1")  # fmt: skip
+    result = run_pipeline(two, tmp_path / "run")["stages"]
+    assert result["extract"].get("cached") and result["train"]["compute"]["world_size"] == 2
+    report = result["train"]["stream"]
+    assert report["captured_sequences"] == cfg.train.max_steps * cfg.train.batch_size
+    assert 0 < report["peak_spool_bytes"] <= BUFFER
+    one = summary["stages"]["train"]
+    assert result["train"]["val_loss"] == pytest.approx(one["val_loss"], rel=1e-3)
+    for k in range(3):
+        assert result["train"][f"val_acc_{k}"] == pytest.approx(one[f"val_acc_{k}"], abs=0.01)
+    logs = [p.read_text(errors="replace") for p in (tmp_path / "run" / "jobs").glob("*_1_log.err")]
+    assert any("train (rank 1/2)" in log for log in logs), "rank 1 trained in a process of its own"
