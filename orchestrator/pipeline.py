@@ -119,9 +119,12 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     # Eval runs the draft as serve.engine reads it: that engine's id rule and a deliberate serve.layers decide the
     # states it is fed; the rest of serve (its prompts, its servers) decides nothing eval computes.
     served = {"engine": cfg.serve.engine, "id_rules": engines.id_rules(cfg.serve), "layers": list(cfg.serve.layers)}
-    keys["eval"] = stable_hash(
-        {"train": keys["train"], "eval": _subtree(cfg, "eval"), "served": served, "code": CODE_VERSION["eval"]}
-    )
+    ev = _subtree(cfg, "eval")
+    if cfg.eval.engine == "hf":  # the keys of evals run before eval engines were chosen stay the same
+        ev.pop("engine")
+    else:  # the engine's version computes the live target's states and tokens
+        ev["engine_version"] = engines.get(cfg.eval.engine).version(cfg.serve)
+    keys["eval"] = stable_hash({"train": keys["train"], "eval": ev, "served": served, "code": CODE_VERSION["eval"]})
     keys["serve"] = stable_hash(
         {"train": keys["train"], "serve": _subtree(cfg, "serve"), "code": CODE_VERSION["serve"]}
     )
@@ -416,6 +419,8 @@ def run_pipeline(
         print_mask_preview(cfg, Path(plan.target_dir))
         if "extract" in cfg.stages:  # what each extract task runs, checked by the engine where it can
             engines.get(cfg.extract.engine, engines.CAPTURE).print_capture(cfg, plan)
+        if "eval" in cfg.stages:  # what the eval job runs as its live target, checked by the engine where it can
+            engines.get(cfg.eval.engine, engines.CAPTURE).print_eval(cfg, plan)
         print(f"dry run: nothing submitted; plan written to {Path(plan.run_dir) / 'plan.json'}")
         return {"dry_run": True, "plan": asdict(plan)}
 

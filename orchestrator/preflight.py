@@ -222,7 +222,8 @@ def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
     out: list[Finding] = []
     from orchestrator import engines
 
-    # extract's capture engine and eval load it; serve only where its engine runs in this project's environment
+    # extract's capture engine and eval's engine load it; serve only where its engine runs in this project's
+    # environment
     in_process = engines.get(cfg.serve.engine).env_script is None
     loaders = [s for s in cfg.stages if s in ("extract", "eval") or (s == "serve" and in_process)]
     capture = engines.get(cfg.extract.engine)
@@ -231,7 +232,9 @@ def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
         r = getattr(cfg, stage).resources
         # a serving engine's capture (vLLM) loads a quantised checkpoint as shipped (its quantised experts stay
         # quantised, sized as stored); HF transformers cannot
-        as_shipped = stage == "extract" and capture.loads_quantized
+        as_shipped = (stage == "extract" and capture.loads_quantized) or (
+            stage == "eval" and engines.get(cfg.eval.engine).loads_quantized
+        )
         if quantized and not as_shipped:
             out.append(
                 Finding(
@@ -239,8 +242,9 @@ def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
                     False,
                     f"{stage}: the target at {target_dir} is quantized ({quantized}); {stage} loads it with HF "
                     "transformers, which cannot load quantized experts as plain weights (they would stay random)",
-                    "dequantise the checkpoint to bf16 (target.path=<bf16 copy>); capture through the serving "
-                    "engine (vLLM's extract_hidden_states) is the way for a checkpoint that is too large for that",
+                    "dequantise the checkpoint to bf16 (target.path=<bf16 copy>); run it through the serving engine "
+                    "(extract.engine=vllm, eval.engine=vllm: vLLM's extract_hidden_states) for a checkpoint that is "
+                    "too large for that",
                 )
             )
             continue

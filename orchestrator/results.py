@@ -196,6 +196,7 @@ class EvalResult(_Checked):
     mean_accepted_per_cycle: float | None = None
     sequences: int | None = None
     train_val_acc: list[float | None] | None = None  # training's validation accuracies, by position
+    engine: str | None = None  # what ran the live target (eval.engine, as installed)
 
     STAGE: ClassVar[str] = "eval"
     _BY_POSITION: ClassVar[tuple[str, ...]] = ("acc", "full_acc", "trained_states_acc", "acc_gap", "acc_gap_se")
@@ -207,6 +208,7 @@ class EvalResult(_Checked):
     def _flat(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("served_layers", "trained_layers", "draft_steps", "draft_dtype")}
         out["compute"] = self.compute
+        out["engine"] = self.engine
         out |= {f"positions_{k}": n for k, n in enumerate(self.positions)}
         for k in range(max(len(getattr(self, name)) for name in self._BY_POSITION)):
             out |= {f"{name}_{k}": getattr(self, name)[k] for name in self._BY_POSITION if k < len(getattr(self, name))}
@@ -216,6 +218,7 @@ class EvalResult(_Checked):
     @classmethod
     def _take(cls, rest: dict[str, Any]) -> dict[str, Any]:
         out = _pop(rest, "served_layers", "trained_layers", "draft_steps", "draft_dtype", "mismatch", "mismatch_flags")
+        out["engine"] = rest.pop("engine", None)
         out["positions"] = _positions(rest, "positions_")
         out |= {name: _positions(rest, f"{name}_") for name in cls._BY_POSITION}
         return out | _pop(rest, *cls._MEASURED)

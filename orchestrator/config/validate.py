@@ -126,9 +126,12 @@ def validate(cfg: RootConfig) -> None:
         check(stage_layers == cfg.aux_layers, f"{stage}.layers={stage_layers} differs from aux_layers={cfg.aux_layers}")
     unknown = [s for s in cfg.stages if s not in STAGES]
     check(not unknown, f"stages={cfg.stages}: unknown {unknown}; expected a prefix of {list(STAGES)}")
+    without_eval = [s for s in STAGES if s != "eval"]
     check(
-        list(cfg.stages) == list(STAGES[: len(cfg.stages)]) and cfg.stages,
-        f"stages={cfg.stages}: expected a non-empty prefix of {list(STAGES)}, e.g. [extract] or [extract, train]",
+        bool(cfg.stages)
+        and (list(cfg.stages) == list(STAGES[: len(cfg.stages)]) or list(cfg.stages) == without_eval),
+        f"stages={cfg.stages}: expected a non-empty prefix of {list(STAGES)}, e.g. [extract] or [extract, train], "
+        f"or {without_eval} (serving without the standalone eval)",
     )
     try:
         layer_contract.validate_canonical(captured_layers(cfg), t.num_hidden_layers, key="extract.extra_layers")
@@ -146,6 +149,7 @@ def validate(cfg: RootConfig) -> None:
     )
     check(cfg.extract.dtype in DTYPES, f"extract.dtype={cfg.extract.dtype!r}: expected one of {DTYPES}")
     check_extract_engine(cfg)
+    check_eval_engine(cfg)
     check(cfg.draft.torch_dtype in DTYPES, f"draft.torch_dtype={cfg.draft.torch_dtype!r}: expected one of {DTYPES}")
     check(cfg.train.ttt_steps >= 1, f"train.ttt_steps={cfg.train.ttt_steps}: expected >= 1")
     check_stream(cfg)
@@ -347,6 +351,16 @@ def check_extract_engine(cfg: RootConfig) -> None:
     if cfg.extract.engine not in capturing:
         raise ConfigError(f"extract.engine={cfg.extract.engine!r}: expected one of {capturing}")
     engines.get(cfg.extract.engine).check_capture(cfg)
+
+
+def check_eval_engine(cfg: RootConfig) -> None:
+    """eval.engine before any job, where eval runs: a registered capture engine, and what it needs to run the live
+    target (its environment, ids it can capture for the layers and the teacher)."""
+    capturing = engines.names(engines.CAPTURE)
+    if cfg.eval.engine not in capturing:
+        raise ConfigError(f"eval.engine={cfg.eval.engine!r}: expected one of {capturing}")
+    if "eval" in cfg.stages:
+        engines.get(cfg.eval.engine).check_eval(cfg)
 
 
 def check_regenerate(cfg: RootConfig) -> None:

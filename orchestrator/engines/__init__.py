@@ -21,9 +21,11 @@ and it plays its roles by its classes:
     draft check  `check_draft`: the engine's own loader on an exported draft, before the draft's server starts
     statistics   `request`, `benchmark` (tok/s and the accept length as the engine counts it), `server_info`,
                  `exact` (whether greedy outputs with and without the draft must agree token for token)
-  `Capturing` (extract.engine)
+  `Capturing` (extract.engine, eval.engine)
     capture      `check_capture`, `capture_key`, `capture_record`, `capture_ids`, `open_capture`: the target's
                  states for the extract stage
+    live target  `open_eval`, `print_eval`: the states serving captures, the target's greedy tokens and
+                 continuations, for the eval stage
 
 Adding an engine is one package here whose __init__ sets `ENGINE`, and, for serving, one file
 conf/serve/<name>.yaml.
@@ -236,6 +238,20 @@ class Capturing(Engine):
     def print_capture(self, cfg: RootConfig, plan) -> None:
         """The dry run: what each extract task will run, checked where the engine can check it."""
 
+    def check_eval(self, cfg: RootConfig) -> None:
+        """eval.* as this engine runs the live target, before any job; raises ConfigError naming the key."""
+
+    def open_eval(self, cfg: RootConfig, target_path: Path, layers: list[int], compute, work: Path):
+        """The live target for the eval stage (eval.engine), at the canonical `layers` serving captures: an object
+        with `tokenizer`; `served(sequences)`, per token-id sequence its served states [L, K*H] and the target's
+        greedy token at each position [L]; `continuations(prompts, max_new)`, per prompt its length, the prompt and
+        the target's greedy continuation, and the served states of all but the last token; `describe()`; and
+        `close()`. `work` is a folder of its own."""
+        raise NotImplementedError
+
+    def print_eval(self, cfg: RootConfig, plan) -> None:
+        """The dry run: what the eval job will run, checked where the engine can check it."""
+
 
 class CaptureJob:
     """What an extract task hands its capture engine: its shards, the ones left to do, the canonical layers,
@@ -260,6 +276,8 @@ def engine_environments(cfg: RootConfig) -> list[tuple[Engine, str, str]]:
         r = cfg.data.regenerate
         if r.enabled and r.engine == "server" and r.url is None:
             out.append((get(cfg.serve.engine), cfg.serve.python, "serve.python"))
+    if "eval" in cfg.stages and get(cfg.eval.engine).env_script:  # its live target runs in the capture environment
+        out.append((get(cfg.eval.engine), cfg.extract.python, "extract.python"))
     seen, unique = set(), []
     for engine, python, key in out:
         if engine.env_script and (engine.name, python) not in seen:

@@ -20,7 +20,6 @@ import torch
 
 from orchestrator import engines
 from orchestrator.artifacts import ArtifactError, read_manifest, write_json, write_manifest
-from orchestrator.capture import HiddenStateCapture
 from orchestrator.compute import Compute
 from orchestrator.config import RootConfig
 from orchestrator.data import conversations, prompt_ids
@@ -28,7 +27,7 @@ from orchestrator.draft import export as draft_export
 from orchestrator.draft.served import served_draft_dir
 from orchestrator.results import EvalResult
 from orchestrator.states.shards import load_split
-from orchestrator.targets import load_target, tokenizer_hash
+from orchestrator.targets import tokenizer_hash
 
 
 def served_layers(cfg: RootConfig, draft_conf: dict[str, Any]) -> list[int]:
@@ -41,43 +40,41 @@ def served_layers(cfg: RootConfig, draft_conf: dict[str, Any]) -> list[int]:
 
 
 @torch.no_grad()
-def text_accuracy(model, draft, served: list[int], seqs, steps: int, device: torch.device) -> dict[str, float]:
+def text_accuracy(draft, seqs, live, steps: int, device: torch.device) -> dict[str, float]:
     """Per draft position k, on the validation sequences training validated on: the accuracy of the draft fed
-    the states the serving engine captures from the live target (`served`), and, paired with it position by
-    position, the accuracy of the same draft fed the extracted states it was trained on (`seqs[i].aux`).
+    the states the serving engine captures from the live target (`live`: per sequence, those states [L, K*H] and
+    the target's greedy token at each position [L], as the eval engine computes them), and, paired with it
+    position by position, the accuracy of the same draft fed the extracted states it was trained on
+    (`seqs[i].aux`).
 
     Both runs draft from their own tokens and are scored against the live target's greedy token, so the paired
     gap measures what serving feeds the draft differently from training, and nothing else: the same sequences,
     the same positions, the same draft in the same dtype."""
     counts, live_right, ref_right, live_chain = (torch.zeros(steps, dtype=torch.float64) for _ in range(4))
     per_sequence = []  # (positions, sum of ref - live) per sequence and position k, for the noise
-    with HiddenStateCapture(model, served) as capture:
-        for s in seqs:
-            length = len(s.input_ids)
-            if length < 3:
-                continue
-            ids = s.input_ids[None].to(device)
-            target_argmax = model(input_ids=ids, use_cache=False).logits.argmax(-1)[0].cpu()
-            valid = torch.ones(1, length - 1, dtype=torch.bool, device=device)
-            live = [x[0].cpu() for x in draft.unroll(capture.aux()[:, :-1].to(device), ids[:, 1:], valid, steps).tokens]
-            reference = [x[0].cpu() for x in draft.unroll(s.aux[None, :-1].to(device), ids[:, 1:], valid, steps).tokens]
-            capture.clear()
-            t = torch.arange(length - 1)
-            chain = torch.ones(length - 1, dtype=torch.bool)
-            n_seq, d_seq = torch.zeros(steps, dtype=torch.float64), torch.zeros(steps, dtype=torch.float64)
-            for k in range(steps):
-                pos = (t + k + 1).clamp(max=length - 1)
-                mask = (t + k + 1 < length) & s.loss_mask[pos]
-                right_live = live[k] == target_argmax[pos]
-                right_ref = reference[k] == target_argmax[pos]
-                chain &= right_live
-                counts[k] += mask.sum()
-                live_right[k] += (right_live & mask).sum()
-                ref_right[k] += (right_ref & mask).sum()
-                live_chain[k] += (chain & mask).sum()
-                n_seq[k] = mask.sum()
-                d_seq[k] = (right_ref & mask).sum() - (right_live & mask).sum()
-            per_sequence.append((n_seq, d_seq))
+    for s, (served, target_argmax) in zip(seqs, live, strict=True):
+        length = len(s.input_ids)
+        ids = s.input_ids[None].to(device)
+        valid = torch.ones(1, length - 1, dtype=torch.bool, device=device)
+        aux = served[None, : length - 1].to(device)
+        live_tokens = [x[0].cpu() for x in draft.unroll(aux, ids[:, 1:], valid, steps).tokens]
+        reference = [x[0].cpu() for x in draft.unroll(s.aux[None, :-1].to(device), ids[:, 1:], valid, steps).tokens]
+        t = torch.arange(length - 1)
+        chain = torch.ones(length - 1, dtype=torch.bool)
+        n_seq, d_seq = torch.zeros(steps, dtype=torch.float64), torch.zeros(steps, dtype=torch.float64)
+        for k in range(steps):
+            pos = (t + k + 1).clamp(max=length - 1)
+            mask = (t + k + 1 < length) & s.loss_mask[pos]
+            right_live = live_tokens[k] == target_argmax[pos]
+            right_ref = reference[k] == target_argmax[pos]
+            chain &= right_live
+            counts[k] += mask.sum()
+            live_right[k] += (right_live & mask).sum()
+            ref_right[k] += (right_ref & mask).sum()
+            live_chain[k] += (chain & mask).sum()
+            n_seq[k] = mask.sum()
+            d_seq[k] = (right_ref & mask).sum() - (right_live & mask).sum()
+        per_sequence.append((n_seq, d_seq))
     out: dict[str, float] = {f"positions_{k}": int(counts[k]) for k in range(steps)}
     n = counts.clamp(min=1)
     gap = (ref_right - live_right) / n
@@ -125,38 +122,24 @@ def simulate_cycles(
 
 
 @torch.no_grad()
-def greedy_accept_length(
-    model, tokenizer, draft, layers: list[int], prompts: list[list[int]], steps: int, max_new: int, device: torch.device
-) -> dict[str, Any]:
+def greedy_accept_length(draft, continuations, steps: int, max_new: int, device: torch.device) -> dict[str, Any]:
+    """The expected accept length of a chain-drafting server on the target's greedy continuations of the serving
+    prompts (`continuations`: per prompt, its length, the prompt and continuation's ids, and the served states of
+    at least all but the last of them, as the eval engine generates and captures them)."""
     completion_total = verify_total = 0
     histogram = [0] * (steps + 1)
-    eos = tokenizer.eos_token_id
-    with HiddenStateCapture(model, layers) as capture:
-        for prompt in prompts:
-            ids = torch.tensor([prompt], device=device)
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new,
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=eos,
-            )
-            sequence = out[0].tolist()
-            capture.clear()
-            full = torch.tensor([sequence], device=device)
-            model(input_ids=full, use_cache=False)
-            aux = capture.aux().to(device)
-            length = full.shape[1]
-            unrolled = draft.unroll(
-                aux[:, :-1], full[:, 1:], torch.ones(1, length - 1, dtype=torch.bool, device=device), steps
-            )
-            tokens = [u[0].tolist() for u in unrolled.tokens]
-            completion, verify, hist = simulate_cycles(tokens, sequence, len(prompt), steps, max_new)
-            completion_total += completion
-            verify_total += verify
-            histogram = [a + b for a, b in zip(histogram, hist)]
-            capture.clear()
+    for prompt_len, sequence, served in continuations:
+        length = len(sequence)
+        if length < 2:
+            continue
+        full = torch.tensor([sequence], device=device)
+        aux = served[None, : length - 1].to(device)
+        valid = torch.ones(1, length - 1, dtype=torch.bool, device=device)
+        tokens = [u[0].tolist() for u in draft.unroll(aux, full[:, 1:], valid, steps).tokens]
+        completion, verify, hist = simulate_cycles(tokens, sequence, prompt_len, steps, max_new)
+        completion_total += completion
+        verify_total += verify
+        histogram = [a + b for a, b in zip(histogram, hist)]
     cycles = max(sum(histogram), 1)
     # P(draft token k accepted | tokens < k accepted), from the accepted-count histogram.
     reached = [sum(histogram[j:]) for j in range(steps + 1)]
@@ -209,14 +192,15 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> EvalResult:
     prov = draft_export.provenance(draft_dir)
     extract_dir = plan.dir("extract")
     manifest = _extraction_trained_on(extract_dir, prov, draft_dir)
-    model, tokenizer = load_target(Path(plan.target_dir), cfg.target.trust_remote_code, compute, cfg.data.chat_template)
     layers = served_layers(cfg, draft_conf)
+    engine = engines.get(cfg.eval.engine, engines.CAPTURE)
     measured: dict[str, Any] = {  # the result's stored keys, in their order, as the measurements give them
         "served_layers": layers,
         "trained_layers": prov.get("aux_layers"),
         "draft_steps": cfg.eval.draft_steps,
         "draft_dtype": str(draft.fc.weight.dtype).removeprefix("torch."),
         "compute": compute.describe(),
+        "engine": engine.name,
     }
     flags: list[str] = []
     if len(layers) != draft.shape.num_aux_layers:
@@ -229,7 +213,11 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> EvalResult:
         )
         measured |= {"mismatch": True, "mismatch_flags": flags}
     else:
-        measured |= _measured(cfg, (model, tokenizer, draft), layers, (extract_dir, manifest), prov, compute)
+        live = engine.open_eval(cfg, Path(plan.target_dir), layers, compute, out / "engine")
+        try:
+            measured |= _measured(cfg, (live, draft), (extract_dir, manifest), prov, compute)
+        finally:
+            live.close()
         flags += _mismatch_flags(cfg, plan, measured, prov)
         measured |= {"mismatch": bool(flags), "mismatch_flags": flags}
     result = EvalResult.from_dict(measured)
@@ -251,22 +239,24 @@ def _extraction_trained_on(extract_dir: Path, prov: dict[str, Any], draft_dir: P
     return manifest
 
 
-def _measured(cfg: RootConfig, models, layers: list[int], extraction, prov: dict[str, Any], compute: Compute):
+def _measured(cfg: RootConfig, models, extraction, prov: dict[str, Any], compute: Compute):
     """The paired accuracies on the validation sequences (`text_accuracy`) and the greedy accept length on the
-    serving prompts (`greedy_accept_length`), with training's own validation accuracies beside them."""
-    (model, tokenizer, draft), (extract_dir, manifest) = models, extraction
+    serving prompts (`greedy_accept_length`), with training's own validation accuracies beside them. The live
+    target's states, greedy tokens and continuations are the eval engine's (`live`, `Capturing.open_eval`)."""
+    (live, draft), (extract_dir, manifest) = models, extraction
     steps, positions = cfg.eval.draft_steps, _positions(cfg, prov)
     split = load_split(extract_dir, manifest, "val", prov["aux_layers"])
-    val_seqs = split.take(range(min(cfg.eval.max_conversations, len(split))))
-    acc = text_accuracy(model, draft, layers, val_seqs, positions, compute.device)
+    val_seqs = [s for s in split.take(range(min(cfg.eval.max_conversations, len(split)))) if len(s.input_ids) >= 3]
+    acc = text_accuracy(draft, val_seqs, live.served([s.input_ids.tolist() for s in val_seqs]), positions,
+                        compute.device)  # fmt: skip
     _, val_convs = conversations(cfg.data, cfg.seed)
-    prompts = [prompt_ids(tokenizer, c, cfg.data.max_seq_len) for c in val_convs[: cfg.eval.prompts]]
+    prompts = [prompt_ids(live.tokenizer, c, cfg.data.max_seq_len) for c in val_convs[: cfg.eval.prompts]]
     greedy = greedy_accept_length(
-        model, tokenizer, draft, layers, prompts, steps, cfg.eval.max_new_tokens, compute.device
+        draft, live.continuations(prompts, cfg.eval.max_new_tokens), steps, cfg.eval.max_new_tokens, compute.device
     )
     val = prov.get("val_metrics", {})
     trained = [val.get(f"acc_{k}") for k in range(positions)]
-    return acc | greedy | {"sequences": len(val_seqs), "train_val_acc": trained}
+    return acc | greedy | {"sequences": len(val_seqs), "train_val_acc": trained, "engine": live.describe()}
 
 
 def _positions(cfg: RootConfig, prov: dict[str, Any]) -> int:

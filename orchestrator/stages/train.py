@@ -27,7 +27,7 @@ from orchestrator.draft import export as draft_export
 from orchestrator.draft import rope as draft_rope
 from orchestrator.draft.model import Eagle3Draft, default_shape
 from orchestrator.results import TrainResult
-from orchestrator.states.assemble import rms_norm
+from orchestrator.states.teacher import TeacherHead
 from orchestrator.states.manifest import load_manifest_checked
 from orchestrator.states.shards import SequenceStates, load_split, verify_shards
 from orchestrator.states.source import StateSource, step_indices
@@ -60,39 +60,6 @@ def collate(seqs: list[SequenceStates]) -> Batch:
         n = len(s.input_ids)
         ids[i, :n], mask[i, :n], aux[i, :n], teacher[i, :n] = s.input_ids, s.loss_mask, s.aux.float(), s.teacher.float()
     return Batch(ids, mask, torch.tensor([len(s.input_ids) for s in seqs]), aux, teacher)
-
-
-class TeacherHead(torch.nn.Module):
-    """The target's frozen final norm (for pre-norm teacher states) and lm_head. The teacher's logits are computed
-    only on the draft vocabulary's rows of the head; its argmax over the full vocabulary goes a block of rows at a
-    time, so that no [B, L, vocabulary] logits tensor exists: a block holds at most `block_elements` logits."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], teacher: str, eps: float, block_elements: int = 2**28):
-        super().__init__()
-        self.teacher, self.eps, self.block_elements = teacher, eps, block_elements
-        self.register_buffer("norm", tensors["norm"])
-        self.register_buffer("lm_head", tensors["lm_head"])
-
-    def forward(self, state: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The teacher's logits on the draft vocabulary (target ids `kept`) [..., Vd], and its argmax over the full
-        vocabulary [...] (a token outside the draft vocabulary is one the draft can never match)."""
-        if self.teacher == "pre_norm":
-            state = rms_norm(state, self.norm, self.eps)
-        kept_logits = state @ self.lm_head.index_select(0, kept).T
-        vocab = self.lm_head.shape[0]
-        rows = max(1, self.block_elements // max(1, state.shape[:-1].numel()))
-        best_value = best_id = None
-        for start in range(0, vocab, rows):
-            value, index = (state @ self.lm_head[start : start + rows].T).max(-1)
-            if best_id is None:
-                best_value, best_id = value, index
-            else:  # strictly greater: on a tie the lower id wins, as one argmax over the vocabulary would have it
-                better = value > best_value
-                best_value, best_id = (
-                    torch.where(better, value, best_value),
-                    torch.where(better, index + start, best_id),
-                )
-        return kept_logits, best_id
 
 
 def ttt_step_targets(batch: Batch, teacher: torch.Tensor, steps: int):

@@ -16,7 +16,8 @@ Names and keys, as vLLM 0.32.0 reads them (the published index, huggingface.co/m
     (vllm/transformers_utils/processors/kimi_k25_vision_fused.py), sized so that vLLM's start-up profile of the
     tower (a 3000 x 3000 dummy image) is a few patches;
   * the media tokens of vLLM's image placeholder (`KimiK25ForConditionalGeneration.get_placeholder_str`); the
-    image token is `<|media_pad|>`, whose id vLLM resolves through the tokenizer.
+    image token is `<|media_pad|>`, whose id vLLM resolves through the tokenizer, and which the config names
+    `media_placeholder_token_id` as the real one does (vLLM's EAGLE-3 drafter reads it to serve a draft).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ ROUTER_BIAS_SPREAD = 0.05
 # Everything above that decides the bytes a build writes (tiny/build.py keeps it in the build's spec).
 SPEC = {
     "media_tokens": list(MEDIA_TOKENS),
+    "media_placeholder_token_id": MEDIA_PAD,
     "vision_config": VISION_CONFIG,
     "media_proc_cfg": MEDIA_PROC_CFG,
     "router_bias_spread": ROUTER_BIAS_SPREAD,
@@ -117,8 +119,12 @@ def vision_tensors(text_hidden_size: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def wrapper_fields(tokenizer) -> dict[str, Any]:
-    """The wrapper config.json's keys beside `text_config`: the vision tower's shape and the image token."""
-    return {"vision_config": dict(VISION_CONFIG), "image_token_id": tokenizer.convert_tokens_to_ids(MEDIA_PAD)}
+    """The wrapper config.json's keys beside `text_config`: the vision tower's shape and the image token, under both
+    names: `media_placeholder_token_id` is the real config's (163605, `<|media_pad|>`), and vLLM's EAGLE-3 drafter
+    reads it from a KimiK25ForConditionalGeneration target when it loads a draft (vllm 0.32.0,
+    vllm/v1/spec_decode/llm_base_proposer.py `load_model`)."""
+    pad = tokenizer.convert_tokens_to_ids(MEDIA_PAD)
+    return {"vision_config": dict(VISION_CONFIG), "image_token_id": pad, "media_placeholder_token_id": pad}
 
 
 def write_preprocessor_config(out: Path) -> None:

@@ -57,6 +57,52 @@ class HF(Capturing):
     def open_stream(self, cfg, target_path, layers, compute, work):
         return HFStream(cfg, target_path, layers, compute)
 
+    def open_eval(self, cfg, target_path, layers, compute, work):
+        return HFEval(cfg, target_path, layers, compute)
+
+
+class HFEval:
+    """The live target loaded on the eval job's devices: the served states by forward hooks at the layer contract's
+    capture points, the greedy tokens from its logits, the continuations from its `generate`."""
+
+    def __init__(self, cfg, target_path, layers, compute):
+        self.layers, self.device = layers, compute.device
+        remote, template = cfg.target.trust_remote_code, cfg.data.chat_template
+        self.model, self.tokenizer = load_target(target_path, remote, compute, template)
+
+    @torch.no_grad()
+    def served(self, sequences):
+        with HiddenStateCapture(self.model, self.layers) as capture:
+            for sequence in sequences:
+                ids = torch.tensor([sequence], device=self.device)
+                argmax = self.model(input_ids=ids, use_cache=False).logits.argmax(-1)[0].cpu()
+                yield capture.aux()[0], argmax
+                capture.clear()
+
+    @torch.no_grad()
+    def continuations(self, prompts, max_new):
+        eos = self.tokenizer.eos_token_id
+        with HiddenStateCapture(self.model, self.layers) as capture:
+            for prompt in prompts:
+                ids = torch.tensor([prompt], device=self.device)
+                out = self.model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                    eos_token_id=eos, pad_token_id=eos,
+                )  # fmt: skip
+                sequence = out[0].tolist()
+                capture.clear()
+                self.model(input_ids=torch.tensor([sequence], device=self.device), use_cache=False)
+                yield len(prompt), sequence, capture.aux()[0]
+                capture.clear()
+
+    def describe(self) -> str:
+        import transformers
+
+        return f"hf transformers {transformers.__version__}"
+
+    def close(self) -> None:
+        del self.model
+
 
 class HFStream:
     """The target loaded once, for a capture service: each batch's states by the extract stage's own forward."""

@@ -129,6 +129,33 @@ class VLLM(Serving, Capturing):
         self.check_installed(cfg, cfg.extract.python, "extract.python")
         return capture.VLLMCapture(cfg, job)
 
+    def check_eval(self, cfg):
+        """Its environment (extract.python's), and ids vLLM can capture for the trained layers and the teacher."""
+        if not cfg.extract.python or not Path(cfg.extract.python).is_file():
+            raise ConfigError(
+                f"eval.engine=vllm runs vLLM from extract.python={cfg.extract.python!r}, which does not exist; build it "
+                f"with bash {self.env_script} (outputs/vllm-env) or set VLLM_PYTHON"
+            )
+        try:
+            capture_ids(cfg, list(cfg.eval.layers))
+        except LayerContractError as exc:
+            raise ConfigError(f"eval.engine=vllm: {exc}") from None
+
+    def open_eval(self, cfg, target_path, layers, compute, work):
+        self.check_installed(cfg, cfg.extract.python, "extract.python")
+        return capture.VLLMEval(cfg, target_path, layers, compute, work)
+
+    def print_eval(self, cfg, plan):
+        """The eval job's engine command, its arguments checked by vLLM's own parser (the trained layers shown:
+        the job captures the layers the exported draft's ids name)."""
+        work = plan.dir("eval") / "engine"
+        gpus = cfg.eval.resources.gpus_per_node // tasks_per_node(cfg, "eval")
+        engine_args = cli.eval_engine_args(cfg, plan.target_dir, list(cfg.eval.layers), work / "engine", gpus)
+        command = cli.capture_service_command(cfg.extract.python, work / "queue", engine_args)
+        print(f"[eval] vLLM live target: {shlex.join(command)}")
+        cli.check_capture_args(cfg.extract.python, engine_args)
+        print(f"[eval] vLLM's parser in {cfg.extract.python} accepts the engine arguments")
+
     def open_stream(self, cfg, target_path, layers, compute, work):
         self.check_installed(cfg, cfg.extract.python, "extract.python")
         return capture.VLLMStream(cfg, target_path, layers, compute, work)

@@ -12,6 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
 
 from orchestrator.artifacts import atomic_path
@@ -20,9 +21,10 @@ from orchestrator.data import prompt_ids
 from orchestrator.engines import CaptureJob
 from orchestrator.engines.vllm import cli
 from orchestrator.engines.vllm.ids import capture_ids
-from orchestrator.regenerate import keep_regenerated, one_pass_rendered
+from orchestrator.regenerate import Rendered, keep_regenerated, one_pass_rendered
 from orchestrator.states.assemble import Assembler
 from orchestrator.states.shards import pack
+from orchestrator.states.teacher import TeacherHead
 from orchestrator.targets import load_head_tensors, load_tokenizer, target_config_json
 
 
@@ -79,13 +81,14 @@ class VLLMStream:
     batch one request to the engine (side/capture.py --serve, answering the requests written to `work/queue`), its
     files assembled as the extract stage assembles a shard's."""
 
-    def __init__(self, cfg, target_path, layers, compute, work: Path):
+    def __init__(self, cfg, target_path, layers, compute, work: Path, engine_args: list[str] | None = None):
         self.work, self.layers, self.sent = Path(work), len(layers), 0
         self.queue = self.work / "queue"
         self.queue.mkdir(parents=True, exist_ok=True)
         self.assemble = assembler(cfg, target_path)
         gpus = sum(d.type == "cuda" for d in compute.devices)
-        engine_args = cli.extract_engine_args(cfg, target_path, self.work / "engine", gpus)
+        if engine_args is None:  # the extraction's engine: its layers and precision
+            engine_args = cli.extract_engine_args(cfg, target_path, self.work / "engine", gpus)
         command = cli.capture_service_command(cfg.extract.python, self.queue, engine_args)
         self.log = self.work / "vllm.log"
         print(f"[stream] vLLM capture engine: {shlex.join(command)} (log {self.log})", flush=True)
@@ -93,11 +96,21 @@ class VLLMStream:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=cli.side_env())
 
     def states(self, rendered) -> list:
+        report, out = self.ask([r.input_ids for r in rendered])
+        sequences = read_states(self.assemble, rendered, report["files"], self.layers, "vLLM's capture service")
+        shutil.rmtree(out)
+        return sequences
+
+    def ask(self, prompts: list[list[int]], include_output_tokens: bool = False, max_tokens: int = 1):
+        """One request to the engine: its report (the files of each prompt's states, the generated ids, vLLM's
+        version) and the folder that holds the files."""
         self.sent += 1
         request = self.queue / f"req-{self.sent:08d}.json"
         out = self.work / "out" / str(self.sent)
+        body = {"prompts": prompts, "out": str(out), "max_tokens": max_tokens,
+                "include_output_tokens": include_output_tokens}  # fmt: skip
         with atomic_path(request) as tmp:
-            tmp.write_text(json.dumps({"prompts": [r.input_ids for r in rendered], "out": str(out), "max_tokens": 1}))
+            tmp.write_text(json.dumps(body))
         done = request.with_suffix(".done")
         while not done.exists():
             if self.proc.poll() is not None:
@@ -110,9 +123,7 @@ class VLLMStream:
         done.unlink()
         if "error" in report:
             raise RuntimeError(f"vLLM's capture engine failed a request: {report['error']}; its log: {self.log}")
-        sequences = read_states(self.assemble, rendered, report["files"], self.layers, "vLLM's capture service")
-        shutil.rmtree(out)
-        return sequences
+        return report, out
 
     def close(self) -> None:
         (self.queue / "stop").touch()
@@ -121,6 +132,65 @@ class VLLMStream:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class VLLMEval:
+    """The live target for the eval stage (eval.engine=vllm): vLLM's extractor kept up at the served layers, so
+    that eval reads the states serving captures, and the target's greedy tokens and continuations, from the
+    engine that loads the checkpoint as shipped (INT4 included) and never from HF transformers. The greedy token at
+    each position is the target's head (final norm and lm_head, read by name from the checkpoint) on the last
+    layer's output the engine captures; a continuation is the engine's own greedy generation, captured in the same
+    request (one pass)."""
+
+    def __init__(self, cfg, target_path, layers, compute, work: Path):
+        self.device = compute.device
+        self.tokenizer = load_tokenizer(target_path, cfg.target.trust_remote_code, cfg.data.chat_template)
+        gpus = sum(d.type == "cuda" for d in compute.devices)
+        engine_args = cli.eval_engine_args(cfg, target_path, layers, Path(work) / "engine", gpus)
+        self.stream = VLLMStream(cfg, target_path, layers, compute, work, engine_args=engine_args)
+        tensors = load_head_tensors(target_path, cfg.target.family)
+        eps = target_config_json(target_path).get("rms_norm_eps", 1e-6)
+        self.head = TeacherHead(tensors, cfg.extract.teacher, eps).to(compute.device)
+        self.version = None
+
+    def served(self, sequences: list[list[int]]):
+        """Per sequence: the served states [L, K*H] and the target's greedy token at each position [L]."""
+        report, out = self.stream.ask(sequences)
+        self.version = report["vllm_version"]
+        rendered = [Rendered(list(ids), [1] * len(ids)) for ids in sequences]
+        states = read_states(self.stream.assemble, rendered, report["files"], self.stream.layers, "vLLM's eval capture")
+        shutil.rmtree(out)
+        kept = torch.zeros(1, dtype=torch.long, device=self.device)
+        for s in states:
+            with torch.no_grad():
+                _, best = self.head(s.teacher.float().to(self.device), kept)
+            yield s.aux, best.cpu()
+
+    def continuations(self, prompts: list[list[int]], max_new: int):
+        """Per prompt: its length, the prompt and the engine's greedy continuation (at most `max_new` tokens, through
+        the end token), and the served states of all its tokens but the last, generated and captured in one request."""
+        eos = self.tokenizer.eos_token_id
+        # one token past the budget, so that a continuation cut at max_new has a state for each of its tokens
+        report, out = self.stream.ask(prompts, include_output_tokens=True, max_tokens=max_new + 1)
+        self.version = report["vllm_version"]
+        for prompt, generated, path in zip(prompts, report["generated"], report["files"], strict=True):
+            answer = list(generated[:max_new])
+            if eos is not None and eos in answer:
+                answer = answer[: answer.index(eos) + 1]
+            sequence = list(prompt) + answer
+            captured = sequence[: len(prompt) + len(generated) - 1]
+            (states,) = read_states(
+                self.stream.assemble, [Rendered(captured, [1] * len(captured))], [path], self.stream.layers,
+                "vLLM's eval capture",
+            )  # fmt: skip
+            yield len(prompt), sequence, states.aux
+        shutil.rmtree(out)
+
+    def describe(self) -> str:
+        return f"vllm {self.version} extract_hidden_states"
+
+    def close(self) -> None:
+        self.stream.close()
 
 
 def _tail(path: Path, lines: int = 20) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from orchestrator import families
 from orchestrator import layers as layer_contract
 from orchestrator.compute import resolve_precision
 from orchestrator.config.schema import ConfigError, RootConfig, captured_layers
@@ -66,6 +67,14 @@ def check_args(cfg: RootConfig) -> None:
             f"serve.eagle_topk={s.eagle_topk}: serve.engine=vllm (vllm {s.vllm_version}) drafts a chain of "
             "serve.num_steps tokens (num_speculative_tokens) and has no token tree. Set serve.eagle_topk=1, or serve "
             "a tree with serve=sglang"
+        )
+    loop = families.FAMILIES[cfg.target.family].decoder_loop if cfg.target.family in families.FAMILIES else None
+    if "serve" in cfg.stages and not s.resources.gpus_per_node and loop == "deepseek":
+        raise ConfigError(
+            f"serve.engine=vllm on the CPU (serve.resources.gpus_per_node=0) cannot serve an EAGLE-3 draft for "
+            f"target.family={cfg.target.family} (MLA attention): vLLM {s.vllm_version}'s CPU backends share no KV "
+            "block size, CPU_MLA (the target's) taking 16 and CPU_ATTN (the draft's) multiples of 32 "
+            "(vllm/v1/worker/utils.py select_common_block_size). Serve it on GPUs, or with serve=reference on a CPU"
         )
     for arg in s.extra_args:
         flag = arg.split("=", 1)[0]
@@ -170,6 +179,18 @@ def extract_engine_args(cfg: RootConfig, target_path: Path | str, out: Path | st
     return capture_engine_args(
         target_path, capture_ids(cfg, captured_layers(cfg)), out,
         dtype=resolve_precision(cfg.extract.precision, gpus), max_model_len=cfg.data.max_seq_len + 8,
+        tensor_parallel_size=max(1, gpus), trust_remote_code=cfg.target.trust_remote_code, gpus=gpus > 0,
+        extra=tuple(cfg.extract.vllm_args),
+    )  # fmt: skip
+
+
+def eval_engine_args(cfg: RootConfig, target_path: Path | str, layers: list[int], out: Path | str, gpus: int) -> list[str]:
+    """An eval.engine=vllm job's engine arguments: the served `layers` and the last layer's output at vLLM's ids,
+    in the precision eval computes in, room for a serving prompt and eval's continuation, and `extract.vllm_args`
+    last (the engine flags of this checkpoint, as the extraction runs it)."""
+    return capture_engine_args(
+        target_path, capture_ids(cfg, layers), out,
+        dtype=resolve_precision(cfg.eval.precision, gpus), max_model_len=cfg.data.max_seq_len + cfg.eval.max_new_tokens + 8,
         tensor_parallel_size=max(1, gpus), trust_remote_code=cfg.target.trust_remote_code, gpus=gpus > 0,
         extra=tuple(cfg.extract.vllm_args),
     )  # fmt: skip
