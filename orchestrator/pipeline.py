@@ -21,6 +21,7 @@ from orchestrator import compute as compute_mod
 from orchestrator import engines, preflight, results, runner, tracking
 from orchestrator.artifacts import CODE_VERSION, MANIFEST, file_sha256, stable_hash, write_json
 from orchestrator.config import (
+    STAGES,
     RootConfig,
     captured_layers,
     extract_storage,
@@ -611,6 +612,8 @@ def build_summary(cfg: RootConfig, plan: Plan, typed: dict[str, results.StageRes
         "run_dir": plan.run_dir,
         "stages": {stage: result.to_dict() for stage, result in typed.items()},
     }
+    last = STAGES.index(cfg.stages[-1])  # [eval] is skipped where stages=[extract, train, serve]
+    summary["skipped"] = [s for s in STAGES[:last] if s not in cfg.stages]
     flags = []
     for stage in ("eval", "serve"):
         flags += (typed[stage].mismatch_flags or []) if stage in typed else []
@@ -655,6 +658,8 @@ def print_summary(summary: dict[str, Any]) -> None:
             else ""
         )
         table.add_row(stage, ", ".join(f"{k}={_fmt(v)}" for k, v in headline.items()) + where)
+    for stage in summary.get("skipped", []):
+        table.add_row(stage, "skipped (not in stages): nothing measured, and nothing held to its figures")
     table.add_row("mismatch", "; ".join(summary["mismatch_flags"]) or "none")
     table.add_row("time", time_row(summary))
     Console(width=200).print(table)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import FAST, compose_config, copy_cache
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
@@ -111,6 +112,24 @@ def test_eval_is_cached_by_what_decides_it(fast_cache, tiny_config, tmp_path):
     assert eval_cached("serve.repeats=5") and eval_cached("serve.request_timeout_s=30")
     assert not eval_cached("eval.max_new_tokens=8") and not eval_cached("serve.prompts=2")
     assert not eval_cached("serve.layers=[0,2,5]")
+    assert not eval_cached("eval.engine=vllm")  # another live target computes its states and tokens
+
+
+def test_serving_without_eval_says_eval_was_skipped(fast_cache, tmp_path):
+    """stages=[extract, train, serve]: the draft is served with no standalone eval (at Kimi's scale eval is a job
+    of its own on a node); the summary says eval was skipped, and serve holds its accept length to no prediction.
+    Stages out of order, or serve without training, are refused naming the key."""
+    from orchestrator.config import ConfigError
+
+    outputs = copy_cache(fast_cache("extract", "train"), tmp_path / "outputs", ("targets", "extract", "train"))
+    cfg = compose_config(outputs, "cluster=local", "stages=[extract,train,serve]", "serve.repeats=1")
+    summary = run_pipeline(cfg, tmp_path / "run")
+    assert summary["skipped"] == ["eval"] and "eval" not in summary["stages"]
+    assert summary["stages"]["train"]["cached"] and summary["stages"]["serve"]["accept_length"] > 1
+    assert "eval_expected_accept_length" not in summary["stages"]["serve"]
+    for stages in ("[extract,serve]", "[train,eval]", "[extract,train,serve,eval]"):
+        with pytest.raises(ConfigError, match=r"stages=.*expected a non-empty prefix"):
+            compose_config(outputs, f"stages={stages}")
 
 
 SWEEP = ("aux_layers=[1,4,6],[0,3,6],[2,4,5]", "extract.extra_layers=[0,1,2,3,4,5,6]")

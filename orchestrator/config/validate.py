@@ -126,10 +126,9 @@ def validate(cfg: RootConfig) -> None:
         check(stage_layers == cfg.aux_layers, f"{stage}.layers={stage_layers} differs from aux_layers={cfg.aux_layers}")
     unknown = [s for s in cfg.stages if s not in STAGES]
     check(not unknown, f"stages={cfg.stages}: unknown {unknown}; expected a prefix of {list(STAGES)}")
-    without_eval = [s for s in STAGES if s != "eval"]
+    stages, without_eval = list(cfg.stages), [s for s in STAGES if s != "eval"]
     check(
-        bool(cfg.stages)
-        and (list(cfg.stages) == list(STAGES[: len(cfg.stages)]) or list(cfg.stages) == without_eval),
+        bool(stages) and (stages == list(STAGES[: len(stages)]) or stages == without_eval),
         f"stages={cfg.stages}: expected a non-empty prefix of {list(STAGES)}, e.g. [extract] or [extract, train], "
         f"or {without_eval} (serving without the standalone eval)",
     )

@@ -27,11 +27,11 @@ from orchestrator.draft import export as draft_export
 from orchestrator.draft import rope as draft_rope
 from orchestrator.draft.model import Eagle3Draft, default_shape
 from orchestrator.results import TrainResult
-from orchestrator.states.teacher import TeacherHead
 from orchestrator.states.manifest import load_manifest_checked
 from orchestrator.states.shards import SequenceStates, load_split, verify_shards
 from orchestrator.states.source import StateSource, step_indices
 from orchestrator.states.stream import open_stream
+from orchestrator.states.teacher import TeacherHead
 from orchestrator.targets import load_head_tensors, target_config_json, tokenizer_hash
 
 

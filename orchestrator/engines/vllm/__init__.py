@@ -133,8 +133,8 @@ class VLLM(Serving, Capturing):
         """Its environment (extract.python's), and ids vLLM can capture for the trained layers and the teacher."""
         if not cfg.extract.python or not Path(cfg.extract.python).is_file():
             raise ConfigError(
-                f"eval.engine=vllm runs vLLM from extract.python={cfg.extract.python!r}, which does not exist; build it "
-                f"with bash {self.env_script} (outputs/vllm-env) or set VLLM_PYTHON"
+                f"eval.engine=vllm runs vLLM from extract.python={cfg.extract.python!r}, which does not exist; "
+                f"build it with bash {self.env_script} (outputs/vllm-env) or set VLLM_PYTHON"
             )
         try:
             capture_ids(cfg, list(cfg.eval.layers))

@@ -184,13 +184,16 @@ def extract_engine_args(cfg: RootConfig, target_path: Path | str, out: Path | st
     )  # fmt: skip
 
 
-def eval_engine_args(cfg: RootConfig, target_path: Path | str, layers: list[int], out: Path | str, gpus: int) -> list[str]:
+def eval_engine_args(
+    cfg: RootConfig, target_path: Path | str, layers: list[int], out: Path | str, gpus: int
+) -> list[str]:
     """An eval.engine=vllm job's engine arguments: the served `layers` and the last layer's output at vLLM's ids,
     in the precision eval computes in, room for a serving prompt and eval's continuation, and `extract.vllm_args`
     last (the engine flags of this checkpoint, as the extraction runs it)."""
     return capture_engine_args(
         target_path, capture_ids(cfg, layers), out,
-        dtype=resolve_precision(cfg.eval.precision, gpus), max_model_len=cfg.data.max_seq_len + cfg.eval.max_new_tokens + 8,
+        dtype=resolve_precision(cfg.eval.precision, gpus),
+        max_model_len=cfg.data.max_seq_len + cfg.eval.max_new_tokens + 8,
         tensor_parallel_size=max(1, gpus), trust_remote_code=cfg.target.trust_remote_code, gpus=gpus > 0,
         extra=tuple(cfg.extract.vllm_args),
     )  # fmt: skip
