@@ -631,3 +631,27 @@ def test_the_tiny_kimi_runs_every_stage_through_vllm_and_hf_never_loads_it(vllm_
     print(f"tiny Kimi: eval through vLLM acc_0 {ev['acc_0']:.3f}, expected accept length {expected:.3f}; "
           f"served by the reference engine {accept:.3f}")  # fmt: skip
     assert abs(accept - expected) <= 0.1 * expected, (expected, accept)
+
+
+@pytest.mark.vllm
+def test_eval_through_vllm_measures_what_eval_through_hf_measures(vllm_python, fast_cache, tmp_path):
+    """The FAST tiny Llama's draft evaluated twice on the same extraction: its live target HF's model in the eval job
+    (eval.engine=hf), then vLLM's extractor (eval.engine=vllm: its states at the served layers, the greedy tokens
+    from the target's head on its last-layer capture, its own greedy continuations). In float32 both engines compute
+    the same target, so the paired accuracies agree within 0.02 at every draft position and the expected accept
+    lengths within 2%."""
+    from conftest import compose_config
+
+    parts = ("targets", "extract", "train", "eval")
+    outputs = copy_cache(fast_cache("extract", "train", "eval"), tmp_path / "outputs", parts)
+    stages = ("cluster=local", "stages=[extract,train,eval]", f"extract.python={vllm_python}")
+    hf = run_pipeline(compose_config(outputs, *stages), tmp_path / "hf")["stages"]["eval"]
+    live = run_pipeline(compose_config(outputs, *stages, "eval.engine=vllm"), tmp_path / "vllm")["stages"]["eval"]
+    assert hf.get("cached") and not live.get("cached") and live["engine"].startswith("vllm 0.32"), live
+    assert live["served_layers"] == hf["served_layers"] and live["sequences"] == hf["sequences"]
+    steps = len([k for k in hf if k.startswith("acc_gap_se_")])
+    for k in range(steps):
+        assert abs(live[f"acc_{k}"] - hf[f"acc_{k}"]) <= 0.02, (k, live[f"acc_{k}"], hf[f"acc_{k}"])
+    print(f"expected accept length: HF {hf['expected_accept_length']:.3f}, vLLM {live['expected_accept_length']:.3f}")
+    assert live["expected_accept_length"] == pytest.approx(hf["expected_accept_length"], rel=0.02)
+    assert not live["mismatch"], live["mismatch_flags"]
