@@ -144,10 +144,10 @@ def test_shards_are_verified_once_and_a_corrupt_one_is_refused_naming_the_fix(ex
     hashed = []
     monkeypatch.setattr(state_shards, "file_sha256", lambda p: hashed.append(p) or file_sha256(p))
     shards = [r["file"] for s in ("train", "val") for r in manifest["splits"][s]["shards"]]
-    state_shards.verify_shards(folder, manifest, cpu())
+    state_shards.verify_shards(folder, manifest, cpu()).finish()
     assert len(hashed) == len(shards) + 1  # each shard, and the manifest the stamp is of
     hashed.clear()
-    state_shards.verify_shards(folder, manifest, cpu())
+    state_shards.verify_shards(folder, manifest, cpu()).finish()
     assert len(hashed) == 1, "a second training trusts the stamp: only the manifest is hashed"
 
     victim = folder / shards[1]
@@ -155,13 +155,45 @@ def test_shards_are_verified_once_and_a_corrupt_one_is_refused_naming_the_fix(ex
     data[len(data) // 2] ^= 0x01  # one flipped bit, in place: same size
     victim.write_bytes(bytes(data))
     with pytest.raises(ArtifactError) as corrupt:
-        state_shards.verify_shards(folder, manifest, cpu())
+        state_shards.verify_shards(folder, manifest, cpu()).finish()
     assert f"{victim}: its sha256 differs" in str(corrupt.value)
     assert f"Delete the extraction ({folder}), or run with extract.force=true" in str(corrupt.value)
 
     victim.write_bytes(bytes(data[:-100]))  # truncated: refused by its size alone, on every rank
     with pytest.raises(ArtifactError, match=rf"{victim}: {len(data) - 100} bytes, but the extraction manifest says"):
         state_shards.load_split(folder, manifest, "train", verify=False)
+
+
+def test_shards_are_hashed_beside_training_and_a_bad_one_fails_it_at_a_check(extraction, monkeypatch):
+    """verify_shards returns at once: the hashing runs in a thread while training runs (here it is held until
+    released, so a wait for it before training would hang). A bad shard found there fails the next `check()`, the
+    one every rank reaches together at a logging step, naming the shard; `finish()` waits for the rest."""
+    import threading
+
+    cfg, folder = extraction
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / state_shards.VERIFIED).unlink(missing_ok=True)
+    release = threading.Event()
+    original = state_shards.file_sha256
+
+    def held(path):
+        if path.name.startswith("shard_"):
+            release.wait(timeout=60)
+        return original(path)
+
+    monkeypatch.setattr(state_shards, "file_sha256", held)
+    verification = state_shards.verify_shards(folder, manifest, cpu())  # returns with every shard still to hash
+    assert verification.thread.is_alive() and not release.is_set()
+    verification.check()  # nothing found yet: training goes on
+    victim = folder / manifest["splits"]["train"]["shards"][0]["file"]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    victim.write_bytes(bytes(data))
+    release.set()
+    verification.thread.join(timeout=60)
+    with pytest.raises(ArtifactError, match=rf"{victim}: its sha256 differs"):
+        verification.check()
+    assert not (folder / state_shards.VERIFIED).exists(), "no stamp for a corrupt extraction"
 
 
 def test_extract_force_extracts_again_over_a_corrupt_extraction(extraction, tmp_path):

@@ -303,7 +303,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> TrainResult | None:
     _check_tokenizer(extract_dir, manifest, target_path)
     if tc.from_draft is not None:
         return import_draft(cfg, plan, manifest, target_path) if compute.is_main else None
-    verify_shards(extract_dir, manifest, compute)
+    verification = verify_shards(extract_dir, manifest, compute)  # beside training, each rank its share
     val_seqs = load_split(extract_dir, manifest, "val", list(tc.layers), verify=False)
     draft, head = build_draft(cfg, target_path, extract_dir, manifest)
     loop = _Loop(cfg, compute, draft, head, out / "checkpoints" / "latest.pt")
@@ -316,9 +316,10 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> TrainResult | None:
     else:
         train_seqs = load_split(extract_dir, manifest, "train", list(tc.layers), verify=False)
     try:
-        history = loop.run(train_seqs, val_seqs, total, tracker, report_to_search)
+        history = loop.run(train_seqs, val_seqs, total, tracker, report_to_search, verification.check)
     finally:
         train_seqs.close()
+    verification.finish()  # before the draft is exported: a draft of a corrupt extraction is never written
     final = history[-1] if history else loop.validate(val_seqs)
     if not compute.is_main:
         return None
@@ -407,9 +408,12 @@ class _Loop:
         """The run's global steps: train.max_steps, or its epochs over `sequences`."""
         return self.tc.max_steps or self.tc.epochs * math.ceil(sequences / self.tc.batch_size)
 
-    def run(self, train_seqs: StateSource, val_seqs: StateSource, total: int, tracker, report_to_search) -> list[dict]:
+    def run(
+        self, train_seqs: StateSource, val_seqs: StateSource, total: int, tracker, report_to_search, check=None
+    ) -> list[dict]:
         """Trains from the resumed step to `total`; returns the validation history. `report_to_search(step, val)`
-        may stop a layer search's trial after a validation."""
+        may stop a layer search's trial after a validation; `check()`, at each logging step (every rank reaches it
+        together), may end the training (the shards' verification)."""
         tc, compute = self.tc, self.compute
         model = TrainStep(self.draft)
         if compute.distributed:
@@ -452,6 +456,8 @@ class _Loop:
             if self.step % tc.log_every == 0 or self.step == total:
                 self.log(tracker, bar, loss, stats, tokens, time.time() - window_started)
                 tokens, window_started = 0, time.time()
+                if check is not None:
+                    check()
             if self.step % tc.val_every == 0 or self.step == total:
                 self.validate_and_report(val_seqs, tracker, report_to_search)
             if self.step % tc.checkpoint_every == 0 or self.step == total:

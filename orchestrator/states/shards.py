@@ -17,6 +17,7 @@ shift (`CONVENTIONS`, which the manifest records).
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,28 +112,72 @@ def token_counts(folder: Path, records: list[dict[str, Any]], vocab_size: int) -
     return counts
 
 
-def verify_shards(folder: Path, manifest: dict[str, Any], compute: Compute) -> None:
-    """Every shard's sha256 against the extraction manifest, read once per extraction, not by every rank of every
-    training: rank 0 verifies and writes a stamp (`.verified.json`: each shard's size and modification time then);
-    while the shards keep them, later trainings trust the stamp. The other ranks wait for rank 0's verdict (its
-    error aborts the group, so they fail at once) and then check sizes only (`load_split(verify=False)`)."""
-    folder = Path(folder)
-    if compute.is_main:
+def verify_shards(folder: Path, manifest: dict[str, Any], compute: Compute) -> ShardVerification:
+    """Every shard's sha256 against the extraction manifest, checked beside training rather than before it
+    (`ShardVerification`): no rank waits on another's reading of terabytes in a barrier."""
+    return ShardVerification(Path(folder), manifest, compute)
+
+
+class ShardVerification:
+    """The shards' sha256 against the extraction manifest, once per extraction, beside training. Each rank hashes its
+    share (every world_size-th shard from its rank) in a thread of its own, while training runs on sizes checked at
+    load (`load_split(verify=False)`). `check()`, at the steps every rank reaches together, shares one flag
+    (an all-reduce of one number) and raises on every rank once any rank found a bad shard, the finder naming it.
+    `finish()`, when training is done and before the draft is exported, waits for the rank's share, checks, and
+    rank 0 writes the stamp (`.verified.json`: each shard's size and modification time then). While the shards keep
+    them, later trainings trust the stamp and hash nothing but the manifest. The longest any collective waits on
+    one rank's hashing is at `finish`, after the last step, for what is left of its share."""
+
+    def __init__(self, folder: Path, manifest: dict[str, Any], compute: Compute):
+        self.folder, self.compute, self.error = folder, compute, None
         records = [r for split in ("train", "val") for r in manifest["splits"][split]["shards"]]
         seen = {}
         for r in records:
             st = (folder / r["file"]).stat() if (folder / r["file"]).exists() else None
             seen[r["file"]] = [st.st_size, st.st_mtime_ns] if st else None
-        stamp = {"manifest_sha256": file_sha256(folder / "manifest.json"), "shards": seen}
+        self.stamp = {"manifest_sha256": file_sha256(folder / "manifest.json"), "shards": seen}
         try:
-            trusted = read_json(folder / VERIFIED, "verification stamp") == stamp
+            self.trusted = read_json(folder / VERIFIED, "verification stamp") == self.stamp
         except ArtifactError:
-            trusted = False
-        if not trusted:
-            for split in ("train", "val"):
-                load_split(folder, manifest, split, verify=True, tokens_only=True)  # raises naming the first bad shard
-            write_json(folder / VERIFIED, stamp)
-    compute.barrier()
+            self.trusted = False
+        self.thread = None
+        if not self.trusted:
+            share = records[compute.rank :: compute.world_size]
+            self.thread = threading.Thread(target=self._hash, args=(share,), name="verify-shards", daemon=True)
+            self.thread.start()
+
+    def _hash(self, records: list[dict[str, Any]]) -> None:
+        for r in records:
+            path = self.folder / r["file"]
+            try:
+                if file_sha256(path) != r["sha256"]:
+                    raise ArtifactError(
+                        f"{path}: its sha256 differs from the extraction manifest's: the shard is corrupt. "
+                        + REEXTRACT.format(folder=self.folder)
+                    )
+            except (OSError, ArtifactError) as exc:
+                self.error = exc if isinstance(exc, ArtifactError) else ArtifactError(f"{path}: {exc}")
+                return
+
+    def check(self) -> None:
+        """Every rank at once: raises once any rank's share has a bad shard (the rank that found it names it)."""
+        found = self.compute.all_reduce_max(torch.tensor([1.0 if self.error is not None else 0.0]))
+        if float(found[0]) > 0:
+            if self.error is not None:
+                raise self.error
+            raise ArtifactError(
+                f"{self.folder}: another rank found a corrupt shard (its log names it). "
+                + REEXTRACT.format(folder=self.folder)
+            )
+
+    def finish(self) -> None:
+        """The rank's share hashed, every rank's verdict shared, and the stamp written by rank 0."""
+        if self.thread is not None:
+            self.thread.join()
+        self.check()
+        if not self.trusted and self.compute.is_main:
+            write_json(self.folder / VERIFIED, self.stamp)
+            self.trusted = True
 
 
 def load_split(
