@@ -126,11 +126,11 @@ class VLLM(Serving, Capturing):
 
     def open_capture(self, cfg, job: CaptureJob):
         # this node's environment, as installed, before the engine starts: its version's id rule is the one that applies
-        self.check_installed(cfg, cfg.extract.python, "extract.python")
+        self.check_installed(cfg, cfg.extract.python, "extract.python", cfg.extract.resources.gpus_per_node)
         return capture.VLLMCapture(cfg, job)
 
     def open_stream(self, cfg, target_path, layers, compute, work):
-        self.check_installed(cfg, cfg.extract.python, "extract.python")
+        self.check_installed(cfg, cfg.extract.python, "extract.python", cfg.extract.resources.gpus_per_node)
         return capture.VLLMStream(cfg, target_path, layers, compute, work)
 
 
