@@ -43,8 +43,9 @@ def weights_fingerprint(path: Path) -> dict[str, Any]:
     A tiny target (target.path null) has none: the extract job builds it, so its weights are unknown when the plan
     is keyed; it is keyed by its build recipe (target.tiny and the seed), which decides those weights."""
     path = Path(path)
-    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
-        return {"revision": path.name}
+    snapshot = path.resolve()  # target.path may be a link to the hub's snapshot
+    if snapshot.parent.name == "snapshots" and snapshot.parent.parent.name.startswith("models--"):
+        return {"revision": snapshot.name}
     if not path.is_dir():
         return {}
     small = [path / "config.json", path / "model.safetensors.index.json"]

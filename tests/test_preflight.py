@@ -375,6 +375,8 @@ def test_new_weights_at_the_same_target_path_re_key_every_stage(tiny_config, tmp
     snapshot = tmp_path / "hub" / "models--moonshotai--Kimi-K2.5" / "snapshots" / "0123abc"
     shutil.copytree(kimi, snapshot)
     assert weights_fingerprint(snapshot) == {"revision": "0123abc"}
+    (tmp_path / "linked").symlink_to(snapshot)
+    assert weights_fingerprint(tmp_path / "linked") == {"revision": "0123abc"}
     tiny = compose_config(tmp_path / "outputs", "stages=[extract]")
     planned = stage_keys(tiny)
     ensure_target(tiny, progress=False)  # what the extract job does first
