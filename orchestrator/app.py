@@ -26,7 +26,7 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     from orchestrator.pipeline import run_pipeline
     from orchestrator.preflight import PreflightError
-    from orchestrator.runner import SubmissionFailed
+    from orchestrator.runner import StageFailed, SubmissionFailed
     from orchestrator.tracking import TrackingUnreachable
 
     hc = HydraConfig.get()
@@ -36,6 +36,9 @@ def main(cfg: DictConfig) -> None:
     except (PreflightError, TrackingUnreachable, SubmissionFailed) as exc:  # refused: said in full, no traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(3)
+    except StageFailed as exc:  # the job's log, streamed above or at the path named, holds its traceback
+        print(f"error: {exc.line}", file=sys.stderr)
+        sys.exit(1)
     if result.get("check") and not result["ok"]:
         # each failure whole, one a line: the report's table above folds them to its width
         print("check failed:\n  - " + "\n  - ".join(result["failures"]), file=sys.stderr)

@@ -30,7 +30,7 @@ from orchestrator.config import (
     world_size,
 )
 from orchestrator.data import data_identity
-from orchestrator.targets import target_dir
+from orchestrator.targets import target_dir, weights_fingerprint
 
 # The stages whose output is a pure function of their key: kept under outputs/cache/<stage>/<key> and reused by every
 # run and sweep point with that key. Serve measures timings, which are not.
@@ -77,6 +77,10 @@ def _subtree(cfg: RootConfig, name: str) -> dict[str, Any]:
 def stage_keys(cfg: RootConfig) -> dict[str, str]:
     """Cache keys: a hash of what determines each stage's output, chained through its upstream keys."""
     target = _subtree(cfg, "target") | {"seed": cfg.seed}
+    if cfg.target.quantization is None:  # the keys of runs made before the key existed stay the same
+        target.pop("quantization")
+    if cfg.target.path:  # a real checkpoint's weights as they are now; a tiny one's are its recipe's (above)
+        target["weights"] = weights_fingerprint(Path(cfg.target.path))
     extract = _subtree(cfg, "extract")
     extract["layers"] = captured_layers(cfg)  # what is captured decides the output, however it is split
     extract.pop("extra_layers")

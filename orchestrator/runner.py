@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import re
 import sys
 import time
 from pathlib import Path
@@ -14,7 +15,12 @@ from orchestrator.config import ClusterConfig, Resources
 
 
 class StageFailed(RuntimeError):
-    """A stage job that raised or died; carries the job's log tail."""
+    """A stage job that raised or died; carries the job's log tail, and `line`, what the command line says of it:
+    one line naming the stage, its error (whose message names the key or file) and the log to read."""
+
+    def __init__(self, message: str, line: str | None = None):
+        super().__init__(message)
+        self.line = line or message.splitlines()[0]
 
 
 class SubmissionFailed(RuntimeError):
@@ -143,9 +149,20 @@ def wait(job, stage: str, follow_log: bool = True) -> Any:
             pass
         first = first_failure(job)
         cause = f"rank {first['rank']} failed first: {first['error']}\n" if first else ""
+        rank = f" (rank {first['rank']})" if first and first["rank"] else ""
+        error = (first["error"].splitlines() or [""])[0] if first else error_line(str(exc))
+        log = job.task(first["rank"] if first else 0).paths.stderr
         raise StageFailed(
-            f"stage {stage} (job {job.job_id}) failed: {cause}{exc}\n--- job log tail ---\n{tail}"
+            f"stage {stage} (job {job.job_id}) failed: {cause}{exc}\n--- job log tail ---\n{tail}",
+            line=f"stage {stage} (job {job.job_id}){rank} failed: {error}; log: {log}",
         ) from None
+
+
+def error_line(report: str) -> str:
+    """The exception line (`Type: message`) of a traceback as submitit reports it, the last of its kind: what
+    was raised, below the frames; the report's first line where it has none."""
+    raised = [line for line in report.splitlines() if re.match(r"[A-Za-z_][\w.]*: \S", line)]
+    return raised[-1] if raised else (report.splitlines() or [""])[0]
 
 
 def _write_failure(env, record: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator import compute as compute_mod
 from orchestrator import families
-from orchestrator.artifacts import ArtifactError, dir_fingerprint, stable_hash
+from orchestrator.artifacts import ArtifactError, dir_fingerprint, file_sha256, stable_hash
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +30,29 @@ def target_dir(cfg: RootConfig) -> Path:
     if cfg.target.path:
         return Path(cfg.target.path)
     return tiny_target_dir(cfg.target, cfg.outputs, cfg.seed)
+
+
+def weights_fingerprint(path: Path) -> dict[str, Any]:
+    """A cheap fingerprint of a real checkpoint's weights, for the extraction's key, so that new weights at the same
+    target.path are extracted again: the hub snapshot's revision where target.path is one
+    (`.../models--org--name/snapshots/<commit>`), else the content of its config.json and safetensors index and each
+    `*.safetensors` file's name, size and modification time, from the file system alone (not a byte of a 595 GB
+    checkpoint is read). A copy that keeps the times (cp -p, rsync -a) keeps the key. Empty where the folder is not
+    there; the dry run refuses that plan.
+
+    A tiny target (target.path null) has none: the extract job builds it, so its weights are unknown when the plan
+    is keyed; it is keyed by its build recipe (target.tiny and the seed), which decides those weights."""
+    path = Path(path)
+    snapshot = path.resolve()  # target.path may be a link to the hub's snapshot
+    if snapshot.parent.name == "snapshots" and snapshot.parent.parent.name.startswith("models--"):
+        return {"revision": snapshot.name}
+    if not path.is_dir():
+        return {}
+    small = [path / "config.json", path / "model.safetensors.index.json"]
+    return {
+        "files": {f.name: file_sha256(f) for f in small if f.is_file()},
+        "weights": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(path.glob("*.safetensors"))],
+    }
 
 
 def ensure_target(cfg: RootConfig, progress: bool = True) -> Path:
@@ -66,10 +89,16 @@ class TargetIdentity:
         return dict(self.__dict__)
 
 
+# The files that hold a tokenizer's vocabulary: HF's fast tokenizer, tiktoken's ranks (Kimi-K2.5 ships only this
+# one, read by its remote-code tokenizer), sentencepiece's model.
+TOKENIZER_VOCABULARIES = ("tokenizer.json", "tiktoken.model", "tokenizer.model")
+
+
 def tokenizer_hash(path: Path) -> str:
-    """Hash of what decides token ids and the chat rendering: tokenizer.json and the chat template."""
+    """Hash of what decides token ids and the chat rendering: the vocabulary (tokenizer.json, or Kimi-K2.5's
+    tiktoken.model, or a sentencepiece tokenizer.model) and the chat template."""
     h = hashlib.sha256()
-    for name in ("tokenizer.json", "chat_template.jinja", "tokenizer_config.json"):
+    for name in (*TOKENIZER_VOCABULARIES, "chat_template.jinja", "tokenizer_config.json"):
         f = Path(path) / name
         if not f.exists():
             continue
@@ -83,17 +112,43 @@ def tokenizer_hash(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+# What the config says of the target's shape, as its checkpoint's config.json must say it too.
+SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "vocab_size")
+
+
+def quantization_of(target_dir: Path) -> str | None:
+    """The quantization a target checkpoint declares in its config.json (`quantization_config`, at the top or in
+    a wrapper's `text_config`), as its quant_method; None when it declares none or has no config yet."""
+    path = Path(target_dir) / "config.json"
+    if not path.exists():
+        return None
+    conf = json.loads(path.read_text())
+    q = conf.get("quantization_config") or (conf.get("text_config") or {}).get("quantization_config")
+    return None if not q else str(q.get("quant_method", "quantization_config")) if isinstance(q, dict) else str(q)
+
+
+def checkpoint_disagreements(target: TargetConfig, path: Path) -> list[str]:
+    """Where the checkpoint's config.json (a wrapper's text model under `text_config`, as Kimi-K2.5 has it)
+    disagrees with target.*: its layer count, hidden size, vocabulary and quantization, each naming both values.
+    The dry run reads them before any job; the extract job again from the copy it loads."""
+    conf = target_config_json(path)
+    found = {k: conf.get(k) for k in SHAPE_KEYS} | {"quantization": quantization_of(path)}
+    return [
+        f"{path}/config.json: {key}={value} but target.{key}={getattr(target, key)} in the config"
+        for key, value in found.items()
+        if value != getattr(target, key)
+    ]
+
+
 def identity(cfg: RootConfig, path: Path) -> TargetIdentity:
-    conf = json.loads((Path(path) / "config.json").read_text())
-    conf = conf.get("text_config", conf)
-    found = {k: conf.get(k) for k in ("num_hidden_layers", "hidden_size", "vocab_size")}
-    for key, value in found.items():
-        expected = getattr(cfg.target, key)
-        if value != expected:
-            raise ArtifactError(
-                f"{path}/config.json: {key}={value} but target.{key}={expected} in the config; fix conf/target/"
-                f"{cfg.target.name}.yaml so layer ranges and draft shapes are checked against the real model"
-            )
+    wrong = checkpoint_disagreements(cfg.target, path)
+    if wrong:
+        raise ArtifactError(
+            "; ".join(wrong) + f"; fix conf/target/{cfg.target.name}.yaml so layer ranges and draft shapes are "
+            "checked against the real model"
+        )
+    conf = target_config_json(path)
+    found = {k: conf.get(k) for k in SHAPE_KEYS}
     return TargetIdentity(
         name=cfg.target.name,
         path=str(path),

@@ -153,17 +153,29 @@ def _cli(args: list[str], outputs: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_dry_run_kimi_needs_no_model(tmp_path):
-    proc = _cli(["+experiment=kimi_eagle3", "dry_run=true"], tmp_path)
+def _kimi_here(where: Path) -> list[str]:
+    """kimi_eagle3's dry run reads the checkpoint's small files and the serving environment's package metadata: a
+    bf16 copy of Kimi-K2.5 in its layout (the HF capture and eval cannot load its INT4 experts) and SGLang 0.5.23's
+    metadata stand in for them."""
+    from conftest import fake_engine_env, kimi_checkpoint
+
+    model = kimi_checkpoint(where / "Kimi-K2.5-bf16", quantized=False)
+    sglang = fake_engine_env(where / "sglang-env", sglang="0.5.23")
+    return [f"target.path={model}", "target.quantization=null", f"serve.python={sglang}"]
+
+
+def test_cli_dry_run_kimi_needs_only_the_checkpoints_small_files(tmp_path):
+    outputs = tmp_path / "outputs"
+    proc = _cli(["+experiment=kimi_eagle3", "dry_run=true", *_kimi_here(tmp_path)], outputs)
     assert proc.returncode == 0, proc.stderr
-    plans = list(tmp_path.rglob("plan.json"))
+    plans = list(outputs.rglob("plan.json"))
     assert len(plans) == 1
     plan = json.loads(plans[0].read_text())
     serve = [s for s in plan["stages"] if s["stage"] == "serve"][0]
     assert serve["layer_ids"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 31]
     assert "eagle_aux_hidden_state_layer_ids" in proc.stdout
-    assert not list(tmp_path.rglob("jobs")), "a dry run submits nothing"
-    assert not (tmp_path / "mlflow.db").exists(), "a dry run starts no MLflow run"
+    assert not list(outputs.rglob("jobs")), "a dry run submits nothing"
+    assert not (outputs / "mlflow.db").exists(), "a dry run starts no MLflow run"
 
 
 def test_cli_out_of_range_fails_before_any_job(tmp_path):
@@ -174,20 +186,21 @@ def test_cli_out_of_range_fails_before_any_job(tmp_path):
 
 
 def test_dry_run_prints_the_extraction_storage_and_an_over_budget_plan_is_refused(tmp_path):
-    proc = _cli(["+experiment=kimi_eagle3", "dry_run=true"], tmp_path)
+    here, outputs = _kimi_here(tmp_path), tmp_path / "outputs"
+    proc = _cli(["+experiment=kimi_eagle3", "dry_run=true", *here], outputs)
     assert proc.returncode == 0, proc.stderr
     # 2,200 conversations x 2048 tokens, each token 4 states (3 aux + teacher) x 7168 x 2 bytes + id and mask
     assert "extract writes at most 258.4 GB: 4,505,600 tokens x 57,349 bytes/token (4 states)" in proc.stdout
-    plan = json.loads(next(tmp_path.rglob("plan.json")).read_text())
+    plan = json.loads(next(outputs.rglob("plan.json")).read_text())
     assert plan["stages"][0]["storage"]["max_bytes"] == 4_505_600 * 57_349
 
-    refused = _cli(["+experiment=kimi_eagle3", "dry_run=true", "extract.max_bytes=1e10"], tmp_path / "refused")
+    refused = _cli(["+experiment=kimi_eagle3", "dry_run=true", "extract.max_bytes=1e10", *here], outputs / "refused")
     assert refused.returncode != 0
     assert (
         "[storage] extraction writes at most 258.4 GB" in refused.stderr
         and "extract.max_bytes=10.0 GB" in refused.stderr
     )
-    assert not list((tmp_path / "refused").rglob("plan.json")), "refused before anything is written"
+    assert not list((outputs / "refused").rglob("plan.json")), "refused before anything is written"
 
 
 def test_kimi_without_user_data_fails_naming_data():

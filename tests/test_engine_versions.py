@@ -30,7 +30,7 @@ def old_sglang_python() -> str:
     if engines.installed_version(str(python), ("sglang",)) != OLD_SGLANG:
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", f"sglang=={OLD_SGLANG}"], check=True)
-        engines.installed_version.cache_clear()
+        engines.installed_distribution.cache_clear()
     return str(python)
 
 

@@ -352,3 +352,25 @@ def test_a_full_disk_fails_extraction_naming_the_bytes_and_a_rerun_resumes(outpu
         state_shards.verify_shards(folder, json.loads((folder / "manifest.json").read_text()), cpu())
     finally:
         subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def test_an_error_in_a_job_ends_the_command_in_one_line_naming_the_stage_the_file_and_the_log(tiny_config, tmp_path):
+    """A malformed JSONL row is first read in the extract job: the command streams the job's log, then ends with
+    one line (the stage, the error naming the file and line, the log's path) and exit status 1, not a traceback of
+    its own."""
+    ensure_target(tiny_config(), progress=False)
+    outputs = copy_cache(tiny_config().outputs, tmp_path / "outputs", ("targets",))
+    chats = tmp_path / "chats.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    chats.write_text(json.dumps(good) + "\n" + '{"messages": [oops\n')
+    argv = ["+experiment=tiny_eagle3", *FAST, "cluster=local", "stages=[extract]", "data=jsonl",
+            f"data.train_files=[{chats}]"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", *argv], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "EAGLE_ORCH_OUTPUTS": str(outputs)}, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.rstrip().splitlines()[-1]
+    expected = r"error: stage extract \(job \d+\) failed: DataFileError: (\S+):2: invalid JSON .*; log: (\S+)"
+    match = re.fullmatch(expected, last)
+    assert match and match[1] == str(chats), last
+    assert Path(match[2]).is_file() and "DataFileError" in Path(match[2]).read_text()
+    assert "orchestrator/app.py" not in proc.stderr, "the command's own traceback"

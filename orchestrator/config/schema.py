@@ -72,6 +72,9 @@ class TargetConfig:
     # Python packages the target's remote code (trust_remote_code: its tokenizer) imports beyond transformers and
     # tokenizers; the dry run checks each imports. An extra of the project's named after the target declares them.
     remote_code_imports: list[str] = MISSING
+    # The quantization its config.json declares (`quantization_config.quant_method`, at the top or under a wrapper's
+    # `text_config`); None for plain weights. The dry run refuses a checkpoint that declares another.
+    quantization: Optional[str] = MISSING
 
 
 @dataclass

