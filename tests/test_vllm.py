@@ -460,6 +460,17 @@ def test_the_kimi_dry_run_prints_a_vllm_capture_that_vllms_parser_accepts(vllm_p
     assert ids == {"eagle_aux_hidden_state_layer_ids": [2, 30, 58, 61]}
     assert "vLLM's parser in" in out and "accepts the engine arguments" in out
     vllm_engine.check_capture_args(vllm_python, engine_args)  # the printed command, parsed again
+    # eval's live target (eval.engine=vllm): the same engine, kept up, at the trained layers and tp 8
+    engines.get("vllm").print_eval(cfg, make_plan(cfg, tmp_path / "run"))
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("[eval] vLLM live target"))
+    command = shlex.split(line.split(": ", 1)[1])
+    assert command[:3] == [vllm_python, str(vllm_engine.CAPTURE), "--serve"]
+    flags = dict(zip(command[4:], command[5:]))
+    assert flags["--tensor-parallel-size"] == "8" and flags["--mm-encoder-tp-mode"] == "data"
+    ids = json.loads(flags["--speculative-config"])["draft_model_config"]["hf_config"]
+    assert ids == {"eagle_aux_hidden_state_layer_ids": [2, 30, 58, 61]}
+    assert "[eval] vLLM's parser in" in out
 
 
 @pytest.mark.vllm
