@@ -49,11 +49,13 @@ class VLLMCapture:
             shutil.rmtree(self.work)
         gpus = sum(d.type == "cuda" for d in job.compute.devices)
         log = job.out / "logs" / f"rank{job.compute.rank}" / "vllm_capture.log"
-        self.engine = CaptureEngine(cfg, job.target_path, gpus, self.work, log)
+        # started once there is a shard to capture (a rerun may leave only a streamed split's token ids to write)
+        self.engine = CaptureEngine(cfg, job.target_path, gpus, self.work, log) if job.todo else None
         self.asked: list[tuple[str, int, list[list[int]], bool]] = []  # (split, index, prompts, one pass), in order
         self.answered = 0
         self.files: dict[tuple[str, int], list[str]] = {}
-        print(f"[extract] vLLM capture engine: {shlex.join(self.engine.command)} (log {log})", flush=True)
+        if self.engine is not None:
+            print(f"[extract] vLLM capture engine: {shlex.join(self.engine.command)} (log {log})", flush=True)
 
     def start(self, split: str, index: int) -> None:
         """The shard's states captured: its request and the next shard's sent, its answer awaited. With
@@ -105,7 +107,8 @@ class VLLMCapture:
 
     def close(self) -> None:
         """The engine stopped and the work folder removed: it holds no finished shard."""
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
         shutil.rmtree(self.work, ignore_errors=True)
         with contextlib.suppress(OSError):  # left while another task's folder is in it
             self.work.parent.rmdir()
@@ -128,8 +131,7 @@ class CaptureEngine:
         self.command = cli.capture_service_command(e.python, self.queue, engine_args)
         self.pending: list[dict] = []  # the requests sent and not answered, oldest first
         self.sent = 0
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        self.log.write_text("")
+        self.log.parent.mkdir(parents=True, exist_ok=True)  # appended to, one section per start: a rerun keeps it
         self._start()
 
     def _start(self) -> None:
@@ -137,7 +139,10 @@ class CaptureEngine:
             shutil.rmtree(stale, ignore_errors=True)
         self.queue.mkdir(parents=True)
         with open(self.log, "a") as log:
-            log.write(f"[extract] vLLM capture engine, start {self.restarts - self.restarts_left + 1}\n")
+            start = self.restarts - self.restarts_left + 1
+            log.write(
+                f"[extract] vLLM capture engine, start {start} of this task, {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+            )
             log.flush()
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=cli.side_env())
         self.started_at, self.busy_since = time.time(), None  # busy_since: when the engine took its current work
