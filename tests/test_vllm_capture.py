@@ -1,7 +1,8 @@
-"""extract.engine=vllm at scale, on the tiny Kimi: one engine kept up for a task, one request per shard, each shard
-written as its answer arrives. A task killed with SIGKILL midway leaves its finished shards, and the rerun asks the
-engine for the others alone; an engine that dies is started again for the requests left, and one that stalls
-fails the task within extract.request_timeout_s, naming its log."""
+"""extract.engine=vllm at scale, on the tiny Kimi in Kimi's capture mode (data.regenerate.engine=one_pass): one
+engine kept up for a task, one request per shard, each shard written as its answer arrives. A task killed with
+SIGKILL midway leaves its finished shards, and the rerun asks the engine for the others alone; an engine that dies
+is started again for the requests left, and one that stalls fails the task within extract.request_timeout_s,
+naming its log."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from orchestrator.states.shards import shard_done
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTS = ROOT / "tests" / "faults"
-CAPTURED = re.compile(r"\[extract\] vLLM \S+ captured (train|val) shard (\d+)")
+CAPTURED = re.compile(r"\[extract\] vLLM \S+ captured (train|val) shard (\d+): \d+ sequences(, each answer generated)?")
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +37,19 @@ def vllm_python() -> str:
 
 
 def _kimi(tiny_kimi_dir, vllm_python, outputs: Path) -> tuple[str, ...]:
-    """The tiny Kimi's extraction by vLLM in 5 shards of 4 conversations (4 train, 1 val)."""
+    """The tiny Kimi's extraction by vLLM in one pass (each answer generated and captured in one request), in 5
+    shards of 4 conversations (4 train, 1 val)."""
     return ("cluster=local", f"outputs_dir={outputs}", f"target.path={tiny_kimi_dir}", "target.hidden_size=64",
             "target.vocab_size=512", "draft.draft_vocab_size=256", "aux_layers=[1,2,3]",
-            "data.regenerate.enabled=false", "extract.dtype=float32", "stages=[extract]",
-            "data.max_train_conversations=16", "data.max_val_conversations=4", "data.max_seq_len=128",
+            "data.regenerate.enabled=true", "data.regenerate.engine=one_pass", "data.regenerate.max_new_tokens=24",
+            "extract.dtype=float32", "stages=[extract]", "data.max_train_conversations=16",
+            "data.max_val_conversations=4", "data.max_seq_len=128",
             "extract.shard_conversations=4", "extract.engine=vllm", f"extract.python={vllm_python}")  # fmt: skip
 
 
-def _captured(run: Path) -> list[tuple[str, str]]:
-    """The shards the run's extract task had the engine capture, from its per-shard lines."""
+def _captured(run: Path) -> list[tuple[str, str, str]]:
+    """The shards the run's extract task had the engine capture, from its per-shard lines: (split, index, whether
+    the answers were generated in the same request)."""
     return sorted(CAPTURED.findall("".join(p.read_text(errors="replace") for p in run.rglob("jobs/*_log.out"))))
 
 
@@ -70,9 +74,12 @@ def test_a_killed_vllm_extraction_reruns_only_its_unfinished_shards(
     monkeypatch,
 ):
     """The extract task is killed with SIGKILL as it writes its third shard (tests/faults: no exception, no
-    failure record, as kill -9 or the OOM killer), after the engine answered it. The two shards written stay; the
-    rerun's engine is asked for the three others alone (its per-shard lines counted), and every shard equals an
-    uninterrupted run's, bit for bit. No work folder is left."""
+    failure record, as kill -9 or the OOM killer), after the engine answered it and its regenerated sequences were
+    kept; its engine exits with it. The two shards written stay; the rerun's engine is asked for the three others
+    alone (its per-shard lines counted), the third captured from the kept sequences rather than generated again.
+    Every shard equals an uninterrupted run's: token ids and masks exactly, and the states bit for bit, but the
+    third shard's, captured in one prefill rather than during generation, within float32 rounding. No work
+    folder is left."""
     started = time.monotonic()
     whole = tiny_config(*_kimi(tiny_kimi_dir, vllm_python, tmp_path / "whole"), experiment="tiny_kimi_eagle3")
     run_pipeline(whole, tmp_path / "whole_run")
@@ -91,7 +98,7 @@ def test_a_killed_vllm_extraction_reruns_only_its_unfinished_shards(
         run_pipeline(cfg, tmp_path / "killed")
     shards = [("train", i) for i in range(4)] + [("val", 0)]
     assert [s for s in shards if shard_done(folder, *s)] == [("train", 0), ("train", 1)]
-    assert ("train", "2") in _captured(tmp_path / "killed"), "the third shard was answered before the kill"
+    assert ("train", "2", ", each answer generated") in _captured(tmp_path / "killed"), "answered before the kill"
     deadline = time.monotonic() + 10
     while _engines(folder) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -99,7 +106,8 @@ def test_a_killed_vllm_extraction_reruns_only_its_unfinished_shards(
 
     monkeypatch.delenv("FAULT_TARGET")
     summary = run_pipeline(cfg, tmp_path / "again")
-    assert _captured(tmp_path / "again") == [("train", "2"), ("train", "3"), ("val", "0")]
+    generated = ", each answer generated"
+    assert _captured(tmp_path / "again") == [("train", "2", ""), ("train", "3", generated), ("val", "0", generated)]
     extract = summary["stages"]["extract"]
     assert 0 < extract["tokens_extracted_now"] < extract["tokens"]
     assert not (folder / "vllm_states").exists()
@@ -108,7 +116,11 @@ def test_a_killed_vllm_extraction_reruns_only_its_unfinished_shards(
         resumed, whole_shard = load_file(str(folder / name)), load_file(str(uninterrupted / name))
         assert resumed.keys() == whole_shard.keys()
         for key, tensor in resumed.items():
-            assert torch.equal(tensor, whole_shard[key]), f"{name}: {key} differs from the uninterrupted run"
+            if (split, index) == ("train", 2) and key in ("aux_hidden_states", "teacher_hidden_state"):
+                error = float((tensor - whole_shard[key]).abs().max() / whole_shard[key].abs().max())
+                assert error < 1e-5, (name, key, error)
+            else:
+                assert torch.equal(tensor, whole_shard[key]), f"{name}: {key} differs from the uninterrupted run"
     print(f"uninterrupted run {whole_s:.0f} s; the whole test {time.monotonic() - started:.0f} s")
 
 

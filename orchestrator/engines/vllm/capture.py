@@ -76,8 +76,8 @@ class VLLMCapture:
             kept = [one_pass_rendered(p, g, r.max_new_tokens, eos, self.cfg.data.max_seq_len) for p, g in answers]
             keep_regenerated(self.job.out / split / f"regenerated_{index:05d}.safetensors", kept)
         self.files[(split, index)] = report["files"]
-        mode = "generated and captured in one pass" if generates else "captured"
-        print(f"[extract] vLLM {report['vllm_version']} {mode} {split} shard {index}: {len(prompts)} sequences")
+        how = ", each answer generated in the same request" if generates else ""
+        print(f"[extract] vLLM {report['vllm_version']} captured {split} shard {index}: {len(prompts)} sequences{how}")
 
     def _ask(self, split: str, index: int) -> None:
         """The shard's request: with one pass, its prompts, answered greedily and captured with the answers
