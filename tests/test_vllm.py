@@ -451,8 +451,8 @@ def test_the_kimi_dry_run_prints_a_vllm_capture_that_vllms_parser_accepts(vllm_p
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("[extract] vLLM capture"))
     command = shlex.split(line.split(": ", 1)[1])
-    assert command[:2] == [vllm_python, str(vllm_engine.CAPTURE)]
-    engine_args = command[3:]
+    assert command[:3] == [vllm_python, str(vllm_engine.CAPTURE), "--serve"]  # one engine, a request per shard
+    engine_args = command[4:]
     flags = dict(zip(engine_args, engine_args[1:]))
     assert flags["--tensor-parallel-size"] == "8" and flags["--mm-encoder-tp-mode"] == "data"
     assert "--trust-remote-code" in engine_args and "--enforce-eager" not in engine_args

@@ -85,7 +85,7 @@ class RegenerateConfig:
     enabled: bool = MISSING
     # hf: HF `generate` in the extract job; server: a serving endpoint (orchestrator/regenerate.py); one_pass:
     # with extract.engine=vllm, vLLM generates the response and captures the states of prompt plus response in
-    # the same request (orchestrator/engines/vllm/capture.py, `capture_all`).
+    # the same request (orchestrator/engines/vllm/capture.py, `VLLMCapture`).
     engine: str = MISSING
     max_new_tokens: int = MISSING
     # 0: greedy, what the serve stage benchmarks; > 0 samples (seeded).
@@ -176,6 +176,12 @@ class ExtractConfig:
     python: Optional[str] = None
     # extract.engine=vllm: more engine flags, as `vllm serve` takes them (checked by vLLM's own parser)
     vllm_args: list[str] = MISSING
+    # extract.engine=vllm keeps one engine up per task and sends it one request per shard: an engine not up within
+    # startup_timeout_s, or working on one shard for longer than request_timeout_s, or that exits, is stopped and
+    # started again for the shards left, up to engine_restarts times; then the task fails naming the engine's log.
+    startup_timeout_s: float = MISSING
+    request_timeout_s: float = MISSING
+    engine_restarts: int = MISSING
 
 
 @dataclass

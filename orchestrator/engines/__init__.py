@@ -59,12 +59,19 @@ class EngineError(ValueError):
 
 class Capture(Protocol):
     """An extract task's open capture: the tokenizer that renders its sequences, the target model where it is
-    loaded in this process (HF; regeneration uses it), and each shard's tensors in the project's format."""
+    loaded in this process (HF; regeneration uses it), and each shard's tensors in the project's format. The
+    stage takes its shards in the job's `todo` order: `start` before it renders the shard (vLLM's capture waits
+    for the shard's states there and, in one pass, keeps its regenerated sequences; HF's does nothing), `shard`
+    once it has, and `close` when the task ends, done or failed."""
 
     tokenizer: Any
     model: Any
 
+    def start(self, split: str, index: int) -> None: ...
+
     def shard(self, split: str, index: int, rendered: list) -> dict[str, torch.Tensor]: ...
+
+    def close(self) -> None: ...
 
 
 class Engine:

@@ -129,19 +129,24 @@ def _extract_shards(
         shards=shards, todo=captured, layers=layers, out=out, compute=compute, target_path=target_path,
         sequences=rendered,
     )  # fmt: skip
-    # HF loads the target here; vLLM computes every state of `todo` in one engine run as it opens
+    # HF loads the target here; vLLM starts its engine, which is sent one request per shard
     capture = engines.get(cfg.extract.engine, engines.CAPTURE).open_capture(cfg, job)
     tokens = 0
     desc = f"extract (rank {compute.rank}/{compute.world_size})" if compute.distributed else "extract"
-    for split, index in tqdm(todo, desc=desc, unit="shard"):
-        begin = time.time()
-        sequences = _sequences(capture.model, capture.tokenizer, shards[split][index], split, index, out, cfg)
-        regenerate_s += time.time() - begin if cfg.data.regenerate.enabled else 0.0
-        check_loss_fraction(sequences, cfg, f"{split} shard {index}", target_path)
-        if streamed(cfg, split):  # the token ids alone: the capture service computes the states as training asks
-            write_shard(out, split, index, pack_tokens(sequences))
-            continue
-        tokens += write_shard(out, split, index, capture.shard(split, index, sequences))["num_tokens"]
+    try:
+        for split, index in tqdm(todo, desc=desc, unit="shard"):
+            if not streamed(cfg, split):
+                capture.start(split, index)  # vLLM: the shard's states captured (one pass: its sequences kept)
+            begin = time.time()
+            sequences = _sequences(capture.model, capture.tokenizer, shards[split][index], split, index, out, cfg)
+            regenerate_s += time.time() - begin if cfg.data.regenerate.enabled else 0.0
+            check_loss_fraction(sequences, cfg, f"{split} shard {index}", target_path)
+            if streamed(cfg, split):  # the token ids alone: the capture service computes the states as training asks
+                write_shard(out, split, index, pack_tokens(sequences))
+                continue
+            tokens += write_shard(out, split, index, capture.shard(split, index, sequences))["num_tokens"]
+    finally:
+        capture.close()
     return tokens, regenerate_s
 
 

@@ -125,8 +125,14 @@ class HFCapture:
     def __init__(self, model, tokenizer, layers, cfg, compute):
         self.model, self.tokenizer, self.layers, self.cfg, self.compute = model, tokenizer, layers, cfg, compute
 
+    def start(self, split, index):
+        pass
+
     def shard(self, split, index, rendered):
         return extract_chunk(self.model, self.tokenizer, rendered, self.layers, self.cfg, self.compute)
+
+    def close(self):
+        pass
 
 
 def extract_chunk(model, tokenizer, chunk, layers: list[int], cfg, compute) -> dict:

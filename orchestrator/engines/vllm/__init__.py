@@ -119,10 +119,17 @@ class VLLM(Serving, Capturing):
         work = plan.dir("extract") / "vllm_states" / "rank0"
         gpus = cfg.extract.resources.gpus_per_node // tasks_per_node(cfg, "extract")
         engine_args = cli.extract_engine_args(cfg, plan.target_dir, work, gpus)
-        command = cli.capture_command(cfg.extract.python, work / "request.json", engine_args)
+        command = cli.capture_service_command(cfg.extract.python, work / "queue", engine_args)
+        e = cfg.extract
         print(f"[extract] vLLM capture (each task; rank0's folder shown): {shlex.join(command)}")
-        cli.check_capture_args(cfg.extract.python, engine_args)
-        print(f"[extract] vLLM's parser in {cfg.extract.python} accepts the engine arguments")
+        print(
+            f"[extract] one request per shard, each shard written as its answer arrives: the engine up within "
+            f"extract.startup_timeout_s={e.startup_timeout_s:g} s, each shard answered within "
+            f"extract.request_timeout_s={e.request_timeout_s:g} s, else started again (extract.engine_restarts="
+            f"{e.engine_restarts})"
+        )
+        cli.check_capture_args(e.python, engine_args)
+        print(f"[extract] vLLM's parser in {e.python} accepts the engine arguments")
 
     def open_capture(self, cfg, job: CaptureJob):
         # this node's environment, as installed, before the engine starts: its version's id rule is the one that applies

@@ -1,5 +1,6 @@
-"""vLLM's capture for the extract stage: every sequence of a task's shards through vLLM's extractor in one engine
-run (orchestrator/engines/vllm/side/capture.py in vLLM's environment), then each shard assembled from its files."""
+"""vLLM's capture for the extract stage: one engine kept up for a task (orchestrator/engines/vllm/side/capture.py
+--serve, in vLLM's environment), one request per shard, each shard assembled from its files and written as its
+answer arrives; and the same engine for a capture service that streams states to a trainer (`VLLMStream`)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from orchestrator.config.schema import one_pass
 from orchestrator.data import prompt_ids
 from orchestrator.engines import CaptureJob
 from orchestrator.engines.vllm import cli
-from orchestrator.engines.vllm.ids import capture_ids
 from orchestrator.regenerate import Rendered, keep_regenerated, one_pass_rendered
 from orchestrator.states.assemble import Assembler
 from orchestrator.states.shards import pack
@@ -29,29 +29,203 @@ from orchestrator.targets import load_head_tensors, load_tokenizer, target_confi
 
 
 class VLLMCapture:
-    """The task's states, computed in one engine run when it opens and left in vLLM's files, one per sequence:
-    `shard` reads one shard's files, assembles the shard, and deletes them, so a rank holds one shard's states in
-    memory at a time (at Kimi's scale a rank's states are hundreds of GB), and its work folder goes when the last
-    shard is done."""
+    """An extract task's capture through one vLLM engine kept up for the task (`CaptureEngine`): one request per
+    shard, sent one shard ahead, so that the engine captures the next shard while this one is assembled and
+    written. `start` waits for a shard's answer (with one pass, and keeps its regenerated sequences, which the
+    stage then reads back), `shard` assembles it and deletes vLLM's files.
+
+    Each shard is written as soon as its answer arrives, so a task killed midway leaves its finished shards and a
+    rerun asks only for the others (the stage's `todo`). The work folder holds only answers not yet written as
+    shards, two at most (a rank's states at Kimi's scale are hundreds of GB), never a finished one: a rerun clears
+    what a killed run left there, and `close` removes it."""
 
     model = None
 
     def __init__(self, cfg, job: CaptureJob):
+        self.cfg, self.job = cfg, job
         self.tokenizer = load_tokenizer(job.target_path, cfg.target.trust_remote_code, cfg.data.chat_template)
-        self.files, self.work = capture_all(cfg, job, self.tokenizer)
         self.layers = len(job.layers)
         self.assemble = assembler(cfg, job.target_path)
+        self.work = job.out / "vllm_states" / f"rank{job.compute.rank}"
+        if self.work.exists():  # a killed run's answers, none of them written as a shard
+            shutil.rmtree(self.work)
+        gpus = sum(d.type == "cuda" for d in job.compute.devices)
+        log = job.out / "logs" / f"rank{job.compute.rank}" / "vllm_capture.log"
+        # started once there is a shard to capture (a rerun may leave only a streamed split's token ids to write)
+        self.engine = CaptureEngine(cfg, job.target_path, gpus, self.work, log) if job.todo else None
+        self.asked: list[tuple[str, int, list[list[int]], bool]] = []  # (split, index, prompts, one pass), in order
+        self.answered = 0
+        self.files: dict[tuple[str, int], list[str]] = {}
+        if self.engine is not None:
+            print(f"[extract] vLLM capture engine: {shlex.join(self.engine.command)} (log {log})", flush=True)
+
+    def start(self, split: str, index: int) -> None:
+        """The shard's states captured: its request and the next shard's sent, its answer awaited. With
+        data.regenerate.engine=one_pass its sequences are kept as a regeneration's are
+        (`<split>/regenerated_NNNNN.safetensors`), for the stage to read back."""
+        todo = self.job.todo
+        position = todo.index((split, index))
+        while len(self.asked) < min(position + 2, len(todo)):
+            self._ask(*todo[len(self.asked)])
+        if position != self.answered:
+            raise RuntimeError(f"{split} shard {index} started out of the task's order ({todo})")
+        report = self.engine.answer()  # answers come in the order asked
+        self.answered += 1
+        _, _, prompts, generates = self.asked[position]
+        if generates:
+            r, eos = self.cfg.data.regenerate, self.tokenizer.eos_token_id
+            answers = zip(prompts, report["generated"], strict=True)
+            kept = [one_pass_rendered(p, g, r.max_new_tokens, eos, self.cfg.data.max_seq_len) for p, g in answers]
+            keep_regenerated(self.job.out / split / f"regenerated_{index:05d}.safetensors", kept)
+        self.files[(split, index)] = report["files"]
+        how = ", each answer generated in the same request" if generates else ""
+        print(f"[extract] vLLM {report['vllm_version']} captured {split} shard {index}: {len(prompts)} sequences{how}")
+
+    def _ask(self, split: str, index: int) -> None:
+        """The shard's request: with one pass, its prompts, answered greedily and captured with the answers
+        (`include_output_tokens`); else its rendered sequences, or the one-pass sequences a killed run kept."""
+        r, max_len = self.cfg.data.regenerate, self.cfg.data.max_seq_len
+        kept = self.job.out / split / f"regenerated_{index:05d}.safetensors"
+        generates = one_pass(self.cfg) and not kept.exists()
+        if generates:
+            prompts = [prompt_ids(self.tokenizer, c, max(1, max_len - 1)) for c in self.job.shards[split][index]]
+        else:
+            prompts = [seq.input_ids for seq in self.job.sequences(self.tokenizer, split, index)]
+        self.engine.send({
+            "prompts": prompts, "out": str(self.work / "answers" / f"{split}_{index:05d}"),
+            "include_output_tokens": generates,
+            # one token past the budget, so that a response cut at max_new_tokens has a state for every token
+            "max_tokens": r.max_new_tokens + 1 if generates else 1,
+        })  # fmt: skip
+        self.asked.append((split, index, prompts, generates))
 
     def shard(self, split, index, rendered):
         """One shard's tensors (as the HF capture writes them) from vLLM's captured states: the aux layers, and
         the last layer's output as the teacher's source (`extract.teacher`)."""
         files = self.files.pop((split, index))
         sequences = read_states(self.assemble, rendered, files, self.layers, f"vLLM's capture of a {split} sequence")
-        if not self.files:  # the task's last shard
-            shutil.rmtree(self.work)
-            with contextlib.suppress(OSError):  # left while another task's folder is in it
-                self.work.parent.rmdir()
+        shutil.rmtree(self.work / "answers" / f"{split}_{index:05d}")
         return pack(sequences)
+
+    def close(self) -> None:
+        """The engine stopped and the work folder removed: it holds no finished shard."""
+        if self.engine is not None:
+            self.engine.close()
+        shutil.rmtree(self.work, ignore_errors=True)
+        with contextlib.suppress(OSError):  # left while another task's folder is in it
+            self.work.parent.rmdir()
+
+
+class CaptureEngine:
+    """vLLM's extractor kept up for one extract task (side/capture.py --serve, answering the requests written to
+    `work/queue` in the order sent). A request the engine works on for longer than extract.request_timeout_s, an
+    engine not up within extract.startup_timeout_s, or an engine that exits, is a failed engine: it is stopped and
+    another is started, and sent the requests not answered yet, up to extract.engine_restarts times; then the
+    task fails naming the engine's log. A request the engine answers with an error fails the task at once (the
+    same request would fail again)."""
+
+    def __init__(self, cfg, target_path, gpus: int, work: Path, log: Path):
+        e = cfg.extract
+        self.work, self.log, self.queue = Path(work), Path(log), Path(work) / "queue"
+        self.startup_timeout_s, self.request_timeout_s = e.startup_timeout_s, e.request_timeout_s
+        self.restarts, self.restarts_left = e.engine_restarts, e.engine_restarts
+        engine_args = cli.extract_engine_args(cfg, target_path, self.work, gpus)
+        self.command = cli.capture_service_command(e.python, self.queue, engine_args)
+        self.pending: list[dict] = []  # the requests sent and not answered, oldest first
+        self.sent = 0
+        self.log.parent.mkdir(parents=True, exist_ok=True)  # appended to, one section per start: a rerun keeps it
+        self._start()
+
+    def _start(self) -> None:
+        for stale in (self.queue, self.work / "raw"):  # a failed engine's queue and unfinished files
+            shutil.rmtree(stale, ignore_errors=True)
+        self.queue.mkdir(parents=True)
+        with open(self.log, "a") as log:
+            start = self.restarts - self.restarts_left + 1
+            log.write(
+                f"[extract] vLLM capture engine, start {start} of this task, {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+            )
+            log.flush()
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=cli.side_env())
+        self.started_at, self.busy_since = time.time(), None  # busy_since: when the engine took its current work
+        for request in self.pending:
+            self._write(request)
+
+    def _write(self, request: dict) -> None:
+        shutil.rmtree(request["out"], ignore_errors=True)  # what a failed engine wrote of its answer
+        with atomic_path(self.queue / request["name"]) as tmp:
+            tmp.write_text(json.dumps({k: v for k, v in request.items() if k != "name"}))
+
+    def send(self, request: dict) -> None:
+        """Queues `request` (side/capture.py's REQUEST) behind those sent before."""
+        self.sent += 1
+        request = {"name": f"req-{self.sent:08d}.json", **request}
+        if not self.pending and self.busy_since is not None:  # an idle engine takes it now
+            self.busy_since = time.time()
+        self.pending.append(request)
+        self._write(request)
+
+    def answer(self) -> dict:
+        """The report on the oldest request sent (side/capture.py's: its files, generated ids, vLLM's version),
+        once the engine answers it, through as many restarts as extract.engine_restarts allows."""
+        while True:
+            failure = self._wait(self.queue / Path(self.pending[0]["name"]).with_suffix(".done"))
+            if failure is None:
+                break
+            self._restart(failure)
+        done = self.queue / Path(self.pending.pop(0)["name"]).with_suffix(".done")
+        report = json.loads(done.read_text())
+        done.unlink()
+        self.busy_since = time.time()  # the engine takes the next request now
+        if "error" in report:
+            raise RuntimeError(f"vLLM's capture engine failed a request: {report['error']}; its log: {self.log}")
+        return report
+
+    def _wait(self, done: Path) -> str | None:
+        """None once `done` is there; else what failed the engine."""
+        while not done.exists():
+            if self.proc.poll() is not None:
+                return f"exited with code {self.proc.returncode}"
+            now = time.time()
+            if self.busy_since is None:  # still starting
+                if (self.queue / "ready").exists():
+                    self.busy_since = now
+                elif now - self.started_at > self.startup_timeout_s:
+                    return f"was not up within extract.startup_timeout_s={self.startup_timeout_s:g} s"
+            elif now - self.busy_since > self.request_timeout_s:
+                return f"gave no answer within extract.request_timeout_s={self.request_timeout_s:g} s"
+            time.sleep(0.01)
+        return None
+
+    def _restart(self, failure: str) -> None:
+        pid = self.proc.pid
+        self._stop(wait_s=0)
+        if not self.restarts_left:
+            raise RuntimeError(
+                f"vLLM's capture engine (pid {pid}) {failure}, with {_requests(len(self.pending))} left and its "
+                f"restarts used up (extract.engine_restarts={self.restarts}); its log: {self.log}\n{_tail(self.log)}"
+            )
+        self.restarts_left -= 1
+        print(
+            f"[extract] WARNING: vLLM's capture engine (pid {pid}) {failure}; starting another for the "
+            f"{_requests(len(self.pending))} left (restart {self.restarts - self.restarts_left} of "
+            f"extract.engine_restarts={self.restarts}; log {self.log})",
+            flush=True,
+        )
+        self._start()
+
+    def _stop(self, wait_s: float) -> None:
+        if wait_s:
+            (self.queue / "stop").touch()
+        try:
+            self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def close(self) -> None:
+        """Stops the engine: it finishes the request at hand (a minute at most) and exits."""
+        self._stop(wait_s=60)
 
 
 def assembler(cfg, target_path) -> Assembler:
@@ -193,53 +367,9 @@ class VLLMEval:
         self.stream.close()
 
 
+def _requests(count: int) -> str:
+    return f"{count} request{'s' if count != 1 else ''}"
+
+
 def _tail(path: Path, lines: int = 20) -> str:
     return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-
-
-def capture_all(cfg, job: CaptureJob, tokenizer) -> tuple[dict[tuple[str, int], list[str]], Path]:
-    """Every sequence of the task's `todo` shards through vLLM's extractor in one engine run, at the ids of vLLM's
-    rule: the aux layers, then the last layer's output. Returns vLLM's file for each sequence, per shard, and the
-    work folder that holds them (read by `VLLMCapture.shard`).
-
-    With data.regenerate.engine=one_pass, each request is the prompt alone: vLLM answers it greedily, then
-    captures the states of prompt plus answer in the same request (`include_output_tokens`). The sequences are
-    kept as a regeneration's are (`<split>/regenerated_NNNNN.safetensors`), so the shard loop reads them back."""
-    ids = capture_ids(cfg, job.layers)  # the layers, then the last layer's output for the teacher
-    r = cfg.data.regenerate
-    answers_too = one_pass(cfg)
-    max_len = cfg.data.max_seq_len
-    shards, todo, out = job.shards, job.todo, job.out
-    if answers_too:  # the prompts only: vLLM answers each, then captures prompt plus answer, in the same request
-        prompts = [prompt_ids(tokenizer, c, max(1, max_len - 1)) for split, i in todo for c in shards[split][i]]
-        counts = [len(shards[split][index]) for split, index in todo]
-    else:
-        rendered = [job.sequences(tokenizer, split, index) for split, index in todo]
-        prompts = [seq.input_ids for seqs in rendered for seq in seqs]
-        counts = [len(seqs) for seqs in rendered]
-    work = out / "vllm_states" / f"rank{job.compute.rank}"
-    if work.exists():  # an interrupted run's
-        shutil.rmtree(work)
-    gpus = sum(d.type == "cuda" for d in job.compute.devices)
-    engine_args = cli.extract_engine_args(cfg, job.target_path, work, gpus)
-    command = cli.capture_command(cfg.extract.python, work / "request.json", engine_args)
-    print(f"[extract] {shlex.join(command)}")
-    report = cli.capture_states(
-        cfg.extract.python, engine_args, prompts, work, include_output_tokens=answers_too,
-        # one token past the budget, so that a response cut at max_new_tokens has a state for every token
-        max_tokens=r.max_new_tokens + 1 if answers_too else 1,
-    )  # fmt: skip
-    mode = "generated and captured in one pass" if answers_too else "captured"
-    print(f"[extract] vLLM {report['vllm_version']} {mode}: ids {ids} for {len(prompts)} sequences")
-    if answers_too:
-        answers = iter(zip(prompts, report["generated"]))
-        for (split, index), count in zip(todo, counts):
-            kept = [
-                one_pass_rendered(*next(answers), r.max_new_tokens, tokenizer.eos_token_id, max_len)
-                for _ in range(count)
-            ]
-            keep_regenerated(out / split / f"regenerated_{index:05d}.safetensors", kept)
-    files, paths = {}, iter(report["files"])
-    for key, count in zip(todo, counts):
-        files[key] = [next(paths) for _ in range(count)]
-    return files, work

@@ -18,10 +18,13 @@ ids, and `token_ids`. With `include_output_tokens` the tokens are the prompt and
 last token (vLLM's one-pass mode: generate, then the states of prompt plus response). Prints one JSON line:
 vLLM's version, the files, and each request's generated token ids.
 
---serve: the engine stays up and takes requests from the folder QUEUE, as the project's capture service streams
-states to a trainer (orchestrator/states/stream.py): each `QUEUE/req-NNNNNNNN.json` (a REQUEST as above, written
-atomically) is answered, in order, by `QUEUE/req-NNNNNNNN.done` (the report, or {"error": ...}), and removed. It
-stops when `QUEUE/stop` appears or the process that started it is gone.
+--serve: the engine stays up and takes requests from the folder QUEUE, as the extract stage sends its shards
+(orchestrator/engines/vllm/capture.py, `CaptureEngine`) and the project's capture service streams states to a
+trainer (orchestrator/states/stream.py): `QUEUE/ready` appears once the engine is up; each
+`QUEUE/req-NNNNNNNN.json` (a REQUEST as above, written atomically) is answered, in order, by
+`QUEUE/req-NNNNNNNN.done` (the report, or {"error": ...}), and removed. It stops when `QUEUE/stop` appears, and
+exits within a second of the process that started it, even mid-request, so that a killed task leaves no engine
+holding its devices.
 """
 
 from __future__ import annotations
@@ -68,10 +71,13 @@ def open_engine(argv: list[str]):
 
 def serve(queue: Path, argv: list[str]) -> None:
     """Answers the requests of `queue` in order until `queue/stop` appears or the parent process is gone."""
+    import threading
     import time
 
     parent = os.getppid()
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     llm = open_engine(argv)
+    (queue / "ready").touch()
     print("[vllm capture] engine up: serving requests from", queue, flush=True)
     while not (queue / "stop").exists() and os.getppid() == parent:
         requests = sorted(queue.glob("req-*.json"))
@@ -86,6 +92,14 @@ def serve(queue: Path, argv: list[str]) -> None:
         done.with_suffix(".tmp").write_text(json.dumps(report))
         os.replace(done.with_suffix(".tmp"), done)
         requests[0].unlink()
+
+
+def _exit_with_parent(parent: int) -> None:
+    import time
+
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def capture(llm, request: dict) -> dict:
