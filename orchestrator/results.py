@@ -197,6 +197,7 @@ class EvalResult(_Checked):
     sequences: int | None = None
     train_val_acc: list[float | None] | None = None  # training's validation accuracies, by position
     engine: str | None = None  # what ran the live target (eval.engine, as installed)
+    sequences_from: str | None = None  # what the validation sequences are (`stages.eval.sequences_from`)
 
     STAGE: ClassVar[str] = "eval"
     _BY_POSITION: ClassVar[tuple[str, ...]] = ("acc", "full_acc", "trained_states_acc", "acc_gap", "acc_gap_se")
@@ -209,6 +210,7 @@ class EvalResult(_Checked):
         out = {k: getattr(self, k) for k in ("served_layers", "trained_layers", "draft_steps", "draft_dtype")}
         out["compute"] = self.compute
         out["engine"] = self.engine
+        out["sequences_from"] = self.sequences_from
         out |= {f"positions_{k}": n for k, n in enumerate(self.positions)}
         for k in range(max(len(getattr(self, name)) for name in self._BY_POSITION)):
             out |= {f"{name}_{k}": getattr(self, name)[k] for name in self._BY_POSITION if k < len(getattr(self, name))}
@@ -219,6 +221,7 @@ class EvalResult(_Checked):
     def _take(cls, rest: dict[str, Any]) -> dict[str, Any]:
         out = _pop(rest, "served_layers", "trained_layers", "draft_steps", "draft_dtype", "mismatch", "mismatch_flags")
         out["engine"] = rest.pop("engine", None)
+        out["sequences_from"] = rest.pop("sequences_from", None)
         out["positions"] = _positions(rest, "positions_")
         out |= {name: _positions(rest, f"{name}_") for name in cls._BY_POSITION}
         return out | _pop(rest, *cls._MEASURED)
@@ -228,6 +231,7 @@ class EvalResult(_Checked):
         head |= {"trained_states_acc_0": self.trained_states_acc[0]} if self.trained_states_acc else {}
         if self.expected_accept_length is not None:
             head["expected_accept_length"] = self.expected_accept_length
+        head |= {"sequences_from": self.sequences_from} if self.sequences_from else {}
         return head | {"mismatch": self.mismatch}
 
 

@@ -180,6 +180,19 @@ def mismatch_causes(cfg: RootConfig, prov: dict[str, Any], layers: list[int], ta
     return causes
 
 
+def sequences_from(cfg: RootConfig) -> str:
+    """What the validation sequences' responses are, for reading their per-position accuracies beside another run's:
+    `one_pass` (the target's own, generated and captured in one request: a response that ended loses its end token,
+    so the position after it is not scored), `regenerated` (the target's own, by a separate generation, end token
+    kept), or `dataset` (the data set's). Measured on the demo (docs/data.md#one-pass-and-two-passes), the one
+    position per sequence that one pass drops moves acc_0 by 0.002; two drafts trained on the two modes' data differ
+    by more, as training on this CPU does from any small change of its data."""
+    r = cfg.data.regenerate
+    if not r.enabled:
+        return "dataset"
+    return "one_pass" if r.engine == "one_pass" else "regenerated"
+
+
 def run(cfg: RootConfig, plan, tracker, compute: Compute) -> EvalResult:
     """The exported draft, as serving gets it, run against the live target: its accuracy on the validation
     sequences paired with the same draft fed its training states, its expected accept length, and a flag for every
@@ -201,6 +214,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> EvalResult:
         "draft_dtype": str(draft.fc.weight.dtype).removeprefix("torch."),
         "compute": compute.describe(),
         "engine": engine.name,
+        "sequences_from": sequences_from(cfg),
     }
     flags: list[str] = []
     if len(layers) != draft.shape.num_aux_layers:
@@ -294,7 +308,8 @@ def _record(plan, tracker, out: Path, result: EvalResult) -> None:
     flags = result.mismatch_flags
     tracker.stage_result("eval", result)
     tracker.tags(
-        {"eval.mismatch": str(result.mismatch).lower()} | ({"eval.mismatch_flags": " | ".join(flags)} if flags else {})
+        {"eval.mismatch": str(result.mismatch).lower(), "eval.sequences_from": str(result.sequences_from)}
+        | ({"eval.mismatch_flags": " | ".join(flags)} if flags else {})
     )
     write_json(out / "eval.json", result.to_dict())
     write_manifest(out, {"stage": "eval", "key": plan.stage_keys["eval"], "result": result.to_dict()})
