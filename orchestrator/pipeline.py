@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -169,6 +170,17 @@ def stage_layer_ids(cfg: RootConfig, stage: str) -> dict[str, Any]:
             cfg.serve.engine, ids, n, cfg.target.family, engines.engine_version(cfg.serve)
         ),
     }
+
+
+def print_serve_commands(cfg: RootConfig, plan: Plan) -> None:
+    """The dry run: the serve job's two server commands (the port is the job's), each checked by the serving engine's
+    own parser where its environment has one (SGLang's `ServerArgs`); a command it refuses fails the dry run."""
+    engine = engines.get(cfg.serve.engine, engines.SERVE)
+    for mode, draft in (("baseline", None), ("speculative", plan.dir("train") / "draft")):
+        command = engines.server_command(cfg, Path(plan.target_dir), draft, 30000)
+        print(f"[serve] {mode} server: {shlex.join(command)}")
+        parsed = engine.check_command(cfg, command)
+        print(f"[serve] {engine.name}'s parser in serve.python {'accepts' if parsed else 'is not there to check'} it")
 
 
 def make_plan(cfg: RootConfig, run_dir: Path) -> Plan:
@@ -428,6 +440,8 @@ def run_pipeline(
             engines.get(cfg.extract.engine, engines.CAPTURE).print_capture(cfg, plan)
         if "eval" in cfg.stages:  # what the eval job runs as its live target, checked by the engine where it can
             engines.get(cfg.eval.engine, engines.CAPTURE).print_eval(cfg, plan)
+        if "serve" in cfg.stages:
+            print_serve_commands(cfg, plan)
         print(f"dry run: nothing submitted; plan written to {Path(plan.run_dir) / 'plan.json'}")
         return {"dry_run": True, "plan": asdict(plan)}
 

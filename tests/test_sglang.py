@@ -399,3 +399,27 @@ def test_sglang_reads_a_drafts_ids_where_the_project_says_it_does(sglang_python,
     for draft in drafts.values():
         [(_, source, ids)] = sglang_config_ids(json.loads((draft / "config.json").read_text()), 8)
         assert ids == sglangs[str(draft)], draft
+
+
+@pytest.mark.sglang
+def test_the_kimi_dry_run_prints_both_server_commands_and_sglangs_parser_accepts_them(
+    sglang_python, tiny_config, tmp_path, capsys
+):
+    """+experiment=kimi_eagle3_vllm's serve stage, on paper: the dry run prints the baseline and speculative SGLang
+    commands the serve job will run (tp 8, the draft at the train stage's output), and SGLang 0.5.23's own parser
+    (`ServerArgs`, in serve.python) accepts each."""
+    from conftest import kimi_checkpoint
+
+    from orchestrator.pipeline import make_plan, print_serve_commands
+
+    kimi = kimi_checkpoint(tmp_path / "Kimi-K2.5")
+    cfg = tiny_config(f"target.path={kimi}", f"serve.python={sglang_python}", experiment="kimi_eagle3_vllm",
+                      fast=False)  # fmt: skip
+    plan = make_plan(cfg, tmp_path / "run")
+    print_serve_commands(cfg, plan)
+    out = capsys.readouterr().out
+    assert out.count("[serve] sglang's parser in serve.python accepts it") == 2, out
+    lines = [x for x in out.splitlines() if x.startswith("[serve] ") and " server: " in x]
+    baseline, speculative = (x.split(" server: ", 1)[1].split() for x in lines)
+    assert "--speculative-algorithm" not in baseline and "--tp-size" in baseline
+    assert speculative[speculative.index("--speculative-draft-model-path") + 1] == str(plan.dir("train") / "draft")

@@ -190,8 +190,10 @@ class Serving(Engine):
     def server_env(self, cfg: RootConfig) -> dict[str, str] | None:
         return None
 
-    def check_command(self, cfg: RootConfig, command: list[str]) -> None:
-        """The launch command through the engine's own argument parser, where its environment is here."""
+    def check_command(self, cfg: RootConfig, command: list[str]) -> bool:
+        """The launch command through the engine's own argument parser, where its environment is here: whether it
+        was parsed (a command the parser refuses raises)."""
+        return False
 
     def check_endpoint(self, cfg: RootConfig) -> None:
         """data.regenerate as this engine's server answers it (data.regenerate.engine=server, url=null: the extract

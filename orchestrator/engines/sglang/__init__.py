@@ -86,8 +86,10 @@ class SGLang(Serving):
         return cli.launch_command(cfg, str(target), str(draft) if draft else None, port)
 
     def check_command(self, cfg, command):
-        if cli.sglang_available(cfg.serve.python):
-            cli.validate_with_sglang(cfg.serve.python, command)
+        if not cli.sglang_available(cfg.serve.python):
+            return False
+        cli.validate_with_sglang(cfg.serve.python, command)
+        return True
 
     def request(self, server, prompt, max_new_tokens, timeout):
         return client.generate(server, prompt, max_new_tokens, timeout)
