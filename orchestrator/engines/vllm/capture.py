@@ -317,15 +317,15 @@ class VLLMEval:
     request (one pass)."""
 
     def __init__(self, cfg, target_path, layers, compute, work: Path):
-        self.device = compute.device
+        self.device, self.version = compute.device, None
         self.tokenizer = load_tokenizer(target_path, cfg.target.trust_remote_code, cfg.data.chat_template)
-        gpus = sum(d.type == "cuda" for d in compute.devices)
-        engine_args = cli.eval_engine_args(cfg, target_path, layers, Path(work) / "engine", gpus)
-        self.stream = VLLMStream(cfg, target_path, layers, compute, work, engine_args=engine_args)
+        # the head on this process's device before the engine starts: vLLM sizes its cache by the memory then free
         tensors = load_head_tensors(target_path, cfg.target.family)
         eps = target_config_json(target_path).get("rms_norm_eps", 1e-6)
         self.head = TeacherHead(tensors, cfg.extract.teacher, eps).to(compute.device)
-        self.version = None
+        gpus = sum(d.type == "cuda" for d in compute.devices)
+        engine_args = cli.eval_engine_args(cfg, target_path, layers, Path(work) / "engine", gpus)
+        self.stream = VLLMStream(cfg, target_path, layers, compute, work, engine_args=engine_args)
 
     def served(self, sequences: list[list[int]]):
         """Per sequence: the served states [L, K*H] and the target's greedy token at each position [L]."""
