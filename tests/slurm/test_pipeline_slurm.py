@@ -184,7 +184,15 @@ def test_sweep_fans_out_then_is_cached_and_a_failing_point_is_isolated(slurm_out
     assert "submitted job" not in again.stdout
     assert again.stdout.count("cached:") == 4, again.stdout
 
-    # One point fails at run time (its target folder does not exist on the "cluster"); the others are untouched.
+    # One point fails at run time (its weights file is cut short after its header: the dry run's checks read the
+    # checkpoint's config.json, tokenizer and safetensors headers and pass it; loading it fails in the job); the
+    # others are untouched.
+    built = next(p for p in (slurm_outputs / "cache" / "targets").iterdir() if p.is_dir())
+    broken = slurm_outputs.parent / "broken_target"
+    shutil.copytree(built, broken, ignore=shutil.ignore_patterns("*.lock"))
+    weights = (broken / "model.safetensors").read_bytes()
+    header = 8 + int.from_bytes(weights[:8], "little")
+    (broken / "model.safetensors").write_bytes(weights[: header + 1000])
     failing = cli(
         slurm_outputs,
         "-m",
@@ -192,7 +200,7 @@ def test_sweep_fans_out_then_is_cached_and_a_failing_point_is_isolated(slurm_out
         *SLURM_FAST,
         "train.max_steps=12",
         "aux_layers=[1,4,6]",
-        "target.path=/nonexistent/model,null",
+        f"target.path={broken},null",
         "stages=[extract,train,eval]",
     )
     assert failing.returncode == 0, failing.stderr[-3000:]
@@ -208,7 +216,7 @@ def test_sweep_fans_out_then_is_cached_and_a_failing_point_is_isolated(slurm_out
     assert states[chain["train"]] == states[chain["eval"]] == "CANCELLED", states
     assert states[healthy["eval"]] == "COMPLETED", states
     failed_runs = [r for r in client.search_runs([exp.experiment_id]) if r.info.status == "FAILED"]
-    assert failed_runs and "no config.json" in failed_runs[0].data.tags.get("error", "")
+    assert failed_runs and "incomplete metadata" in failed_runs[0].data.tags.get("error", "")
 
 
 def requeued_training(slurm_outputs: Path, *extra: str) -> tuple[str, Path, Path]:
