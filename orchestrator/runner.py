@@ -149,12 +149,12 @@ def wait(job, stage: str, follow_log: bool = True) -> Any:
             pass
         first = first_failure(job)
         cause = f"rank {first['rank']} failed first: {first['error']}\n" if first else ""
-        rank = f" (rank {first['rank']})" if first and first["rank"] else ""
+        rank = f"rank {first['rank']} failed first: " if first and job.num_tasks > 1 else ""
         error = (first["error"].splitlines() or [""])[0] if first else error_line(str(exc))
         log = job.task(first["rank"] if first else 0).paths.stderr
         raise StageFailed(
             f"stage {stage} (job {job.job_id}) failed: {cause}{exc}\n--- job log tail ---\n{tail}",
-            line=f"stage {stage} (job {job.job_id}){rank} failed: {error}; log: {log}",
+            line=f"stage {stage} (job {job.job_id}) failed: {rank}{error}; log: {log}",
         ) from None
 
 
