@@ -236,6 +236,18 @@ def copy_cache(source: Path, dest: Path, parts=("targets", "extract")) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """vLLM's environment for the `vllm` tests: `VLLM_PYTHON`, else the checkout's outputs/vllm-env
+    (scripts/make_vllm_env.sh); they skip without it."""
+    from orchestrator.engines.vllm import cli
+
+    python = os.environ.get("VLLM_PYTHON") or str(Path(__file__).resolve().parents[1] / "outputs/vllm-env/bin/python")
+    if not cli.available(python):
+        pytest.skip(f"no vLLM environment at {python}: bash scripts/make_vllm_env.sh")
+    return python
+
+
+@pytest.fixture(scope="session")
 def sglang_python() -> str:
     """The python of the separate sglang environment (`SGLANG_PYTHON`, built by scripts/make_sglang_env.sh) for the
     `sglang` tests, which run sglang's own code in a subprocess; they skip without it. Checked once: each call into

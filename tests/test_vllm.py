@@ -28,15 +28,6 @@ from orchestrator.targets import ensure_target, load_tokenizer, target_config_js
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="session")
-def vllm_python() -> str:
-    """vLLM's environment: `VLLM_PYTHON`, else the checkout's outputs/vllm-env (scripts/make_vllm_env.sh)."""
-    python = os.environ.get("VLLM_PYTHON") or str(ROOT / "outputs" / "vllm-env" / "bin" / "python")
-    if not vllm_engine.available(python):
-        pytest.skip(f"no vLLM environment at {python}: bash scripts/make_vllm_env.sh")
-    return python
-
-
 def test_an_sglang_export_is_refused_by_vllm_before_any_server_starts(fast_cache, tiny_config, tmp_path):
     """The FAST draft is exported for the reference engine (SGLang's ids [1, 4, 6]). Handed to vLLM as it is, vLLM
     would feed it the outputs of layers 0, 3 and 5: the check refuses it, naming both engines, and no server runs.

@@ -16,7 +16,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from orchestrator.engines.vllm import cli as vllm_engine
 from orchestrator.engines.vllm.capture import CaptureEngine
 from orchestrator.pipeline import make_plan, run_pipeline
 from orchestrator.runner import StageFailed
@@ -25,15 +24,6 @@ from orchestrator.states.shards import shard_done
 ROOT = Path(__file__).resolve().parents[1]
 FAULTS = ROOT / "tests" / "faults"
 CAPTURED = re.compile(r"\[extract\] vLLM \S+ captured (train|val) shard (\d+): \d+ sequences(, each answer generated)?")
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    """vLLM's environment: `VLLM_PYTHON`, else the checkout's outputs/vllm-env (scripts/make_vllm_env.sh)."""
-    python = os.environ.get("VLLM_PYTHON") or str(ROOT / "outputs" / "vllm-env" / "bin" / "python")
-    if not vllm_engine.available(python):
-        pytest.skip(f"no vLLM environment at {python}: bash scripts/make_vllm_env.sh")
-    return python
 
 
 def _kimi(tiny_kimi_dir, vllm_python, outputs: Path) -> tuple[str, ...]:
