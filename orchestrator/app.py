@@ -33,6 +33,9 @@ def main(cfg: DictConfig) -> None:
     sweep_dir = Path(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
     try:
         result = run_pipeline(root, Path(hc.runtime.output_dir), sweep_dir=sweep_dir)
+    except ConfigError as exc:  # found while planning (a data file's malformed line): as a config error
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     except (PreflightError, TrackingUnreachable, SubmissionFailed) as exc:  # refused: said in full, no traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(3)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import functools
 import glob
 import itertools
 import json
 import random
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,30 +194,125 @@ def data_identity(data: DataConfig) -> dict:
     return {"file_sha256": {str(f): file_sha256(f) for f in files}}
 
 
-def jsonl_conversations(data: DataConfig, seed: int) -> tuple[list[Conversation], list[Conversation]]:
+def jsonl_conversations(data: DataConfig, seed: int) -> tuple["Conversations", "Conversations"]:
     """(train, val) from the user's files: `val_files`, or else a seeded `val_fraction` of the train files'
-    conversations; each split keeps file order."""
-    train = [
-        c for i, f in enumerate(data.train_files) for c in read_conversations(f, data.format, f"data.train_files[{i}]")
-    ]
+    conversations; each split keeps file order. Neither is read into memory: each is a `Conversations`, which
+    reads a conversation from its file when it is used, so a data set of millions of conversations costs 8 bytes
+    of memory a conversation (its line's offset) and one pass over the files to find the lines."""
+    train = Conversations(JsonlRows(data.train_files, data.format, "data.train_files"))
     if data.val_files:
-        val = [
-            c for i, f in enumerate(data.val_files) for c in read_conversations(f, data.format, f"data.val_files[{i}]")
-        ]
-        return train, val
+        return train, Conversations(JsonlRows(data.val_files, data.format, "data.val_files"))
     if len(train) < 2:
         raise DataFileError(
             f"data.train_files={data.train_files}: {len(train)} conversation(s), too few to hold out "
             f"data.val_fraction={data.val_fraction} of them; add conversations or set data.val_files"
         )
     n_val = min(len(train) - 1, max(1, round(len(train) * data.val_fraction)))
-    held = set(random.Random(seed).sample(range(len(train)), n_val))
-    return [c for i, c in enumerate(train) if i not in held], [c for i, c in enumerate(train) if i in held]
+    held = set(random.Random(seed).sample(range(len(train)), n_val))  # sampling a range keeps O(n_val) memory
+    kept = array("q", (i for i in range(len(train)) if i not in held))
+    return train.pick(kept), train.pick(array("q", sorted(held)))
 
 
-def read_conversations(path: str | Path, fmt: str, key: str) -> list[Conversation]:
+class JsonlRows:
+    """The non-blank lines of JSON Lines files, by number across the files: found in one pass that keeps each
+    line's byte offset (not its text), and parsed when read. Picklable: it holds no open file."""
+
+    def __init__(self, files, fmt: str, key: str):
+        self.fmt, self.files, self.offsets, self.starts = fmt, [], [], [0]
+        for i, file in enumerate(files):
+            path = Path(file)
+            where = f"{key}[{i}]"
+            if not path.is_file():
+                raise DataFileError(f"{where}={str(path)!r}: no such file (relative paths start at {Path.cwd()})")
+            offsets, lines, at = array("q"), array("q"), 0
+            with path.open("rb") as f:
+                for number, line in enumerate(f, 1):
+                    if line.strip():
+                        offsets.append(at)
+                        lines.append(number)
+                    at += len(line)
+            if not offsets:
+                raise DataFileError(f"{path}: no conversations ({where}); expected one JSON object per line")
+            self.files.append((path, lines))
+            self.offsets.append(offsets)
+            self.starts.append(self.starts[-1] + len(offsets))
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def read(self, index: int) -> Conversation:
+        f = bisect.bisect_right(self.starts, index) - 1
+        (path, lines), at = self.files[f], index - self.starts[f]
+        with path.open("rb") as lines_file:
+            lines_file.seek(self.offsets[f][at])
+            line = lines_file.readline().decode("utf-8")
+        return parse_conversation(line, self.fmt, f"{path}:{lines[at]}")
+
+
+class Conversations:
+    """A split's conversations as a sequence that reads each one from its file when it is used (`JsonlRows`):
+    indexing, slicing (a slice is another such sequence) and iteration, in the split's order."""
+
+    def __init__(self, rows: JsonlRows, picks=None):
+        self.rows = rows
+        self.picks = range(len(rows)) if picks is None else picks
+
+    def pick(self, picks) -> "Conversations":
+        return Conversations(self.rows, picks)
+
+    def __len__(self) -> int:
+        return len(self.picks)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return Conversations(self.rows, self.picks[i])
+        return self.rows.read(self.picks[i])
+
+    def __iter__(self):
+        return (self.rows.read(i) for i in self.picks)
+
+    def __eq__(self, other) -> bool:  # the same conversations in the same order, as any sequence of them
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return f"Conversations({len(self)} of {len(self.rows)} in {[str(p) for p, _ in self.rows.files]})"
+
+
+def answered_turns(data: DataConfig) -> float:
+    """The mean number of assistant turns that turn-by-turn regeneration answers (`turns_after_answers` plus the
+    first) per conversation of data=jsonl's train files: one pass over them, cached by their names, sizes and
+    times, for the storage and stream estimates of data.regenerate.turns=null."""
+    files = tuple((str(f), Path(f).stat().st_size, Path(f).stat().st_mtime_ns) for f in data.train_files)
+    return _answered_turns(files, data.format)
+
+
+@functools.lru_cache(maxsize=8)
+def _answered_turns(files: tuple, fmt: str) -> float:
+    answered = count = 0
+    for i, (file, _, _) in enumerate(files):
+        with open(file, encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if line.strip():
+                    conversation = parse_conversation(line, fmt, f"{file}:{number}")
+                    answered += 1 + len(turns_after_answers(conversation))
+                    count += 1
+    return answered / max(count, 1)
+
+
+def check_rows(data: DataConfig) -> int:
+    """Every conversation of data=jsonl's files parsed, one line at a time (none kept), before any job: a
+    malformed line fails here naming its file and line, not in the extract job. The number of conversations."""
+    count = 0
+    for key in ("train_files", "val_files"):
+        for i, file in enumerate(getattr(data, key)):
+            count += len(read_conversations(file, data.format, f"data.{key}[{i}]", keep=False))
+    return count
+
+
+def read_conversations(path: str | Path, fmt: str, key: str, keep: bool = True) -> list[Conversation]:
     """The conversations of one JSON Lines file (blank lines skipped), as system/user/assistant messages.
-    `fmt`: auto, openai or sharegpt; `key` names the config entry the path came from, for the errors."""
+    `fmt`: auto, openai or sharegpt; `key` names the config entry the path came from, for the errors. With
+    `keep=False` each line is parsed (checked) and dropped: the list holds None per conversation."""
     path = Path(path)
     if not path.is_file():
         raise DataFileError(f"{key}={str(path)!r}: no such file (relative paths start at {Path.cwd()})")
@@ -222,7 +320,8 @@ def read_conversations(path: str | Path, fmt: str, key: str) -> list[Conversatio
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
             if line.strip():
-                out.append(parse_conversation(line, fmt, f"{path}:{number}"))
+                conversation = parse_conversation(line, fmt, f"{path}:{number}")
+                out.append(conversation if keep else None)
     if not out:
         raise DataFileError(f"{path}: no conversations ({key}); expected one JSON object per line")
     return out
@@ -450,7 +549,36 @@ def prompt_ids(tokenizer, conversation: list[dict], max_len: int) -> list[int]:
         if message["role"] == "assistant":
             break
         first_user.append(message)
+    return chat_prompt_ids(tokenizer, first_user, tools_of(conversation), max_len)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: list | None, max_len: int) -> list[int]:
+    """`messages` rendered by the chat template with the generation prompt, as a client's request renders them:
+    its last `max_len` tokens."""
     out = tokenizer.apply_chat_template(
-        first_user, tools=tools_of(conversation), tokenize=True, add_generation_prompt=True, return_dict=True
+        messages, tools=tools, tokenize=True, add_generation_prompt=True, return_dict=True
     )
     return list(out["input_ids"])[-max_len:]
+
+
+def turns_after_answers(conversation: list[dict]) -> list[list[dict]]:
+    """What follows each assistant turn before the next one (the user's next message, tool answers), in order,
+    up to the first assistant turn that calls a tool (a regenerated answer would call other tools, or none, and the
+    data set's tool answers would not answer it) or that nothing follows: each is the next prompt's new turns when
+    a conversation is regenerated turn by turn."""
+    segments: list[list[dict]] = []
+    current: list[dict] | None = None
+    for message in conversation:
+        if message["role"] == "assistant":
+            if current:
+                segments.append(current)
+            elif current is not None:  # two answers in a row: the turn after the first has no prompt
+                break
+            if message.get("tool_calls"):
+                return segments
+            current = []
+        elif current is not None:
+            current.append(message)
+    if current:  # a last message after the last answer is a prompt too
+        segments.append(current)
+    return segments

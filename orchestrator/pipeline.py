@@ -23,6 +23,7 @@ from orchestrator import engines, preflight, results, runner, tracking
 from orchestrator.artifacts import CODE_VERSION, MANIFEST, file_sha256, stable_hash, write_json
 from orchestrator.config import (
     STAGES,
+    ConfigError,
     RootConfig,
     captured_layers,
     extract_storage,
@@ -405,6 +406,20 @@ def print_mask_preview(cfg: RootConfig, target: Path) -> None:
         )
 
 
+def check_data_rows(cfg: RootConfig, plan: Plan) -> None:
+    """data=jsonl's every line parsed before an extract job reads them (one pass, nothing kept): a malformed line
+    is refused here, naming its file and line."""
+    from orchestrator import data
+
+    if cfg.data.name != "jsonl" or not any(e["stage"] == "extract" and not e["cached"] for e in plan.stages):
+        return
+    try:
+        count = data.check_rows(cfg.data)
+    except data.DataFileError as exc:
+        raise ConfigError(f"{exc} (data=jsonl, checked before any job)") from None
+    print(f"[data] {count:,} conversations in data.train_files and data.val_files, every line parsed")
+
+
 def write_run_files(cfg: RootConfig, plan: Plan) -> None:
     run_dir = Path(plan.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -430,6 +445,7 @@ def run_pipeline(
     bad = preflight.failures(preflight.config_findings(cfg) + memory)
     if bad and not (not cfg.serve.guard and all(f.category == "layer ids" for f in bad)):
         raise preflight.PreflightError(bad)
+    check_data_rows(cfg, plan)
     write_run_files(cfg, plan)
     print_plan(plan)
     for finding in memory:

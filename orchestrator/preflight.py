@@ -167,7 +167,8 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
                 "storage",
                 fits,
                 f"extraction writes at most {st['max_bytes'] / 1e9:,.1f} GB ({st['max_tokens']:,} tokens = "
-                f"{st['conversations']:,} conversations x data.max_seq_len={cfg.data.max_seq_len}, "
+                f"{st['conversations']:,} conversations x {st['sequences_per_conversation']:.2f} sequences x "
+                f"data.max_seq_len={cfg.data.max_seq_len}, "
                 f"x {st['bytes_per_token']:,} bytes/token = "
                 f"{st['states_per_token']} states x hidden {cfg.target.hidden_size} x {cfg.extract.dtype}); "
                 f"extract.max_bytes={st['limit_bytes'] / 1e9:,.1f} GB",

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from orchestrator import engines
 from orchestrator.config import RootConfig
-from orchestrator.data import Rendered, prompt_ids, render
+from orchestrator.data import Rendered, chat_prompt_ids, render, tools_of, turns_after_answers
 from orchestrator.engines import client
 from orchestrator.targets import template_source
 
@@ -79,21 +79,76 @@ def regenerate(
     and stops on return."""
     r = cfg.data.regenerate
     max_len = cfg.data.max_seq_len
-    prompts = [prompt_ids(tokenizer, c, max(1, max_len - 1)) for c in conversations]
     if r.engine == "one_pass":
         raise RegenerateError(
             "data.regenerate.engine=one_pass regenerates inside vLLM's capture (extract.engine=vllm), not here"
         )
-    if r.engine == "hf":
-        if model is None:
-            raise RegenerateError(
-                "data.regenerate.engine=hf generates with the target in this process, but no model was given"
-            )
-        return hf_responses(model, tokenizer, prompts, max_len, r, seed, desc)
-    if endpoint is not None:
-        return server_responses(endpoint, prompts, tokenizer.eos_token_id, max_len, r, seed, desc)
+    if r.engine == "hf" and model is None:
+        raise RegenerateError(
+            "data.regenerate.engine=hf generates with the target in this process, but no model was given"
+        )
+
+    def answer(prompts: list[list[int]], turn: int, where) -> list[Rendered]:
+        turn_desc = desc if turn == 0 else f"{desc} turn {turn + 1}"
+        turn_seed = seed + 1_000_003 * turn
+        if r.engine == "hf":
+            return hf_responses(model, tokenizer, prompts, max_len, r, turn_seed, turn_desc)
+        return server_responses(where, prompts, tokenizer.eos_token_id, max_len, r, turn_seed, turn_desc)
+
+    if r.engine == "hf" or endpoint is not None:
+        return turn_by_turn(conversations, tokenizer, r.turns, max_len, lambda p, t: answer(p, t, endpoint))
     with Endpoint(cfg, log_dir) as own:
-        return server_responses(own, prompts, tokenizer.eos_token_id, max_len, r, seed, desc)
+        return turn_by_turn(conversations, tokenizer, r.turns, max_len, lambda p, t: answer(p, t, own))
+
+
+def turn_by_turn(conversations: list, tokenizer, turns: int | None, max_len: int, answer) -> list[Rendered]:
+    """Each conversation's assistant turns answered in order, `turns` of them at most (None: all), as SpecForge's
+    `scripts/regenerate_train_data.py` does: the first answers the turns before the conversation's first assistant
+    turn; each later one the conversation so far, the target's earlier answers in place of the data set's, and the
+    data set's turns up to the next assistant turn (`turns_after_answers`). An earlier answer goes back as a chat
+    client sends it: its text after the thinking (`</think>`), which Kimi's template, like the regeneration scripts,
+    drops from history turns. `answer(prompts, turn)` answers one turn's prompts together (one `generate` batch, or
+    concurrent requests), so a round costs one pass of the engine.
+
+    One `Rendered` per answered turn, a conversation's in order: the prompt as the template renders it at that turn
+    and the answer as the target writes it, thinking included, its tokens the loss tokens. Turns are not merged into
+    one sequence: a template that rewrites history (Kimi's drops earlier thinking) makes a later prompt differ from
+    the earlier sequence it would extend, and each sequence is what serving sees at its turn."""
+    histories = []
+    for c in conversations:
+        first = []
+        for message in c:
+            if message["role"] == "assistant":
+                break
+            first.append(message)
+        histories.append(first)
+    following = [turns_after_answers(c) for c in conversations]
+    out: list[list[Rendered]] = [[] for _ in conversations]
+    active, turn = list(range(len(conversations))), 0
+    while active:
+        prompts = [chat_prompt_ids(tokenizer, histories[i], tools_of(conversations[i]), max(1, max_len - 1))
+                   for i in active]  # fmt: skip
+        answered = answer(prompts, turn)
+        turn += 1
+        going = []
+        for i, prompt, seq in zip(active, prompts, answered, strict=True):
+            out[i].append(seq)
+            if (turns is None or turn < turns) and len(following[i]) >= turn:
+                histories[i] = [*histories[i], answer_message(tokenizer, seq.input_ids[len(prompt) :]),
+                                *following[i][turn - 1]]  # fmt: skip
+                going.append(i)
+        active = going
+    return [seq for seqs in out for seq in seqs]
+
+
+def answer_message(tokenizer, response: list[int]) -> dict:
+    """An answer as the next turn's history: its text without the end token, and without the thinking before
+    `</think>` where it has one."""
+    eos = tokenizer.eos_token_id
+    if response and response[-1] == eos:
+        response = response[:-1]
+    text = tokenizer.decode(response, skip_special_tokens=False)
+    return {"role": "assistant", "content": text.split("</think>", 1)[1].strip() if "</think>" in text else text}
 
 
 def one_pass_rendered(prompt: list[int], generated: list[int], max_new_tokens: int, eos, max_len: int) -> Rendered:

@@ -354,10 +354,10 @@ def test_a_full_disk_fails_extraction_naming_the_bytes_and_a_rerun_resumes(outpu
         subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
-def test_an_error_in_a_job_ends_the_command_in_one_line_naming_the_stage_the_file_and_the_log(tiny_config, tmp_path):
-    """A malformed JSONL row is first read in the extract job: the command streams the job's log, then ends with
-    one line (the stage, the error naming the file and line, the log's path) and exit status 1, not a traceback of
-    its own."""
+def test_an_error_in_a_job_ends_the_command_in_one_line_naming_the_stage_the_key_and_the_log(tiny_config, tmp_path):
+    """A malformed JSONL row is refused before any job, in one line naming the file and the line. An error that only
+    the extract job can find (its rendered shard's loss tokens under data.min_loss_fraction) ends the command in
+    one line (the stage, the error naming the key, the log's path) with exit status 1, not a traceback of its own."""
     ensure_target(tiny_config(), progress=False)
     outputs = copy_cache(tiny_config().outputs, tmp_path / "outputs", ("targets",))
     chats = tmp_path / "chats.jsonl"
@@ -365,12 +365,24 @@ def test_an_error_in_a_job_ends_the_command_in_one_line_naming_the_stage_the_fil
     chats.write_text(json.dumps(good) + "\n" + '{"messages": [oops\n')
     argv = ["+experiment=tiny_eagle3", *FAST, "cluster=local", "stages=[extract]", "data=jsonl",
             f"data.train_files=[{chats}]"]  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", *argv], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "EAGLE_ORCH_OUTPUTS": str(outputs)}, cwd=tmp_path)  # fmt: skip
+
+    def command(*extra: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(outputs)}
+        return subprocess.run([sys.executable, "-m", "orchestrator", *argv, *extra], capture_output=True, text=True,
+                              timeout=600, env=env, cwd=tmp_path)  # fmt: skip
+
+    refused = command()
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert refused.stderr.rstrip().splitlines()[-1].startswith(f"error: {chats}:2: invalid JSON"), refused.stderr
+    assert "(job " not in refused.stderr and "[data]" not in refused.stdout, "refused after planning"
+
+    chats.write_text(json.dumps(good) + "\n" + json.dumps(good) + "\n")
+    proc = command("data.min_loss_fraction=0.99")
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.rstrip().splitlines()[-1]
-    expected = r"error: stage extract \(job \d+\) failed: DataFileError: (\S+):2: invalid JSON .*; log: (\S+)"
+    expected = (r"error: stage extract \(job \d+\) failed: ArtifactError: train shard 0: "
+                r".*data\.min_loss_fraction=0\.99.*; log: (\S+)")  # fmt: skip
     match = re.fullmatch(expected, last)
-    assert match and match[1] == str(chats), last
-    assert Path(match[2]).is_file() and "DataFileError" in Path(match[2]).read_text()
+    assert match, last
+    assert Path(match[1]).is_file() and "ArtifactError" in Path(match[1]).read_text()
     assert "orchestrator/app.py" not in proc.stderr, "the command's own traceback"

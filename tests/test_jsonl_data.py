@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shutil
@@ -190,3 +191,41 @@ def test_a_data_file_edited_in_place_is_a_new_extraction(tmp_path, tiny_config):
     assert stage_keys(tiny_config("data=jsonl", f"data.train_files=[{chats}]"))["extract"] == before
     chats.write_text("\n".join(chats.read_text().splitlines()[:-1]) + "\n")
     assert stage_keys(tiny_config("data=jsonl", f"data.train_files=[{chats}]"))["extract"] != before
+
+
+def test_a_million_conversations_stream_from_their_file_without_being_loaded(jsonl_config, tmp_path):
+    """A data set of 1,000,000 conversations (about 100 MB of JSON Lines) is split and cut into the extract stage's
+    shards holding 8 bytes a conversation (its line's offset) and the held-out indices, never the conversations:
+    the peak of Python's allocations stays under 48 MB where the conversations as lists of dicts take over a GB.
+    A shard's conversations are read from the file when used, and are the file's lines."""
+    import time
+    import tracemalloc
+
+    from orchestrator.stages.extract import _shards
+
+    big, n = tmp_path / "million.jsonl", 1_000_000
+    with big.open("w", encoding="utf-8") as f:
+        for i in range(n):
+            f.write(
+                f'{{"messages": [{{"role": "user", "content": "q{i}"}}, {{"role": "assistant", "content": "a{i}"}}]}}\n'
+            )
+    cfg = jsonl_config(f"data.train_files=['{big}']", "data.val_fraction=0.01", f"data.max_train_conversations={n}",
+                       "data.max_val_conversations=2000", "extract.shard_conversations=256")  # fmt: skip
+    tracemalloc.start()
+    began = time.perf_counter()
+    shards = _shards(cfg)
+    seconds = time.perf_counter() - began
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    print(f"1,000,000 conversations split and sharded in {seconds:.1f} s, peak allocations {peak / 2**20:.1f} MiB")
+    assert peak < 48 * 2**20, f"{peak / 2**20:.0f} MiB allocated"
+    train, val = shards["train"], shards["val"]
+    assert sum(len(s) for s in train) == n - 10_000 and sum(len(s) for s in val) == 2000
+    assert len(train) == -(-(n - 10_000) // 256)
+    texts = [c[0]["content"] for c in train[1000]]
+    held = {c[0]["content"] for s in val for c in s}
+    numbers = [int(t[1:]) for t in texts]
+    assert numbers == sorted(numbers) and len(texts) == 256 and not held & set(texts)
+    with big.open() as lines:  # the line the conversation came from
+        line = json.loads(next(itertools.islice(lines, numbers[0], None)))
+    assert train[1000][0] == line["messages"]

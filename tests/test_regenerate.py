@@ -164,6 +164,11 @@ def test_completions_api_against_a_server_without_it_names_the_key(tiny, tmp_pat
         (["data.regenerate.api=chat"], "data.regenerate.api='chat'"),
         (["data.regenerate.concurrency=0"], "data.regenerate.concurrency=0"),
         (["data.regenerate.temperature=0.7"], "the reference engine decodes greedily only"),
+        (["data.regenerate.turns=0"], "data.regenerate.turns=0: expected >= 1, or null for every turn"),
+        (
+            ["extract.engine=vllm", "data.regenerate.engine=one_pass", "data.regenerate.turns=null"],
+            "data.regenerate.turns=null with data.regenerate.engine=one_pass",
+        ),
     ],
 )
 def test_bad_regenerate_config_names_the_key(overrides, fragment):
@@ -241,3 +246,76 @@ def test_a_one_pass_sequence_is_the_separate_regenerations_but_a_final_token_wit
     assert ended.input_ids == _rendered(prompt, [4, 5, eos], eos, 100).input_ids[:-1]
     short = one_pass_rendered(prompt, [4, 5, 6, 7], 3, eos, 5)  # data.max_seq_len cuts first
     assert (short.input_ids, short.loss_mask) == ([1, 2, 3, 4, 5], [0, 0, 0, 1, 1])
+
+
+def _talk(*turns: str, tool_call_at: int | None = None) -> list[dict]:
+    """A conversation of user and assistant turns in alternation; the assistant turn `tool_call_at` calls a tool."""
+    messages = []
+    for i, text in enumerate(turns):
+        message = {"role": ("user", "assistant")[i % 2], "content": text}
+        if i == tool_call_at:
+            message["tool_calls"] = [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]
+        messages.append(message)
+    return messages
+
+
+def test_every_turn_is_answered_in_turn_given_the_targets_earlier_answers(tiny, tmp_path):
+    """data.regenerate.turns=null answers each assistant turn in order, as SpecForge's regenerate_train_data.py does:
+    the second prompt is the first user turn, the target's first answer and the second user turn, rendered by the
+    template; each answered turn is one sequence whose answer is HF's greedy continuation of that prompt. turns=2
+    stops after two; turns=1 is the first-turn regeneration; an answer that calls a tool ends the conversation
+    there. The server engine answers through the same loop, token for token."""
+    cfg, model, tokenizer, _, _ = tiny
+    from orchestrator.data import chat_prompt_ids
+    from orchestrator.regenerate import answer_message, hf_responses
+
+    base = ("data.regenerate.max_new_tokens=24", "data.max_seq_len=160", "data.regenerate.batch_size=2")
+    every = compose_config(cfg.outputs, *base, "data.regenerate.turns=null")
+    convs = [
+        _talk("Say a word.", "Word.", "Another one?", "Yes.", "And a third?", "Done."),
+        _talk("Count to three.", "1 2 3", "Now to four."),
+        _talk("Call f.", "", "Thanks.", "Sure.", tool_call_at=1),
+    ]
+    seqs = regenerate(convs, every, tokenizer, cfg.seed, model=model)
+    assert len(seqs) == 3 + 2 + 1
+    first = regenerate(convs, compose_config(cfg.outputs, *base), tokenizer, cfg.seed, model=model)
+    assert _pairs([seqs[0], seqs[3], seqs[5]]) == _pairs(first), "turn 1 is the first-turn regeneration"
+    r = every.data.regenerate
+    for at, conv, k in ((1, convs[0], 1), (2, convs[0], 2), (4, convs[1], 1)):
+        history = conv[:1]
+        for j in range(k):  # the target's answers, then the data set's next user turn
+            earlier = seqs[at - k + j]
+            prompt_len = len(earlier.input_ids) - sum(earlier.loss_mask)
+            history += [answer_message(tokenizer, earlier.input_ids[prompt_len:]), conv[2 * j + 2]]
+        prompt = chat_prompt_ids(tokenizer, history, None, 159)
+        assert seqs[at].input_ids[: len(prompt)] == prompt
+        assert sum(seqs[at].loss_mask) == len(seqs[at].input_ids) - len(prompt)
+        (alone,) = hf_responses(model, tokenizer, [prompt], 160, r, cfg.seed, "check")
+        assert seqs[at].input_ids == alone.input_ids, f"turn {k + 1} is not the target's greedy answer to its prompt"
+    assert "Word." not in tokenizer.decode(seqs[1].input_ids), "the data set's answer stayed in the history"
+    two = compose_config(cfg.outputs, *base, "data.regenerate.turns=2")
+    assert _pairs(regenerate(convs, two, tokenizer, cfg.seed, model=model)) == _pairs(seqs[:2] + seqs[3:])
+
+    server_cfg = compose_config(cfg.outputs, "data.regenerate.engine=server", *base, "data.regenerate.turns=null")
+    served = regenerate(convs, server_cfg, tokenizer, cfg.seed, log_dir=tmp_path)
+    assert _pairs(served) == _pairs(seqs), "the server's turns differ from HF generate's"
+
+
+def test_an_earlier_answer_goes_back_without_its_thinking_as_kimis_template_renders_history(tiny):
+    """The next turn's history holds an answer's text after `</think>`, without its end token: what a chat client
+    sends back, and what Kimi-K2-Thinking's published template renders for a history turn anyway (`<think></think>`
+    and the content). The answered turn's own sequence keeps the thinking as the target wrote it."""
+    from orchestrator.regenerate import answer_message
+
+    _, _, tokenizer, _, _ = tiny
+    ids = tokenizer.encode("<think>the user wants 42</think>\n42", add_special_tokens=False) + [tokenizer.eos_token_id]
+    message = answer_message(tokenizer, ids)
+    assert message == {"role": "assistant", "content": "42"}
+    assert answer_message(tokenizer, tokenizer.encode("plain", add_special_tokens=False))["content"] == "plain"
+    template = (Path(__file__).parent / "data" / "chat_templates" / "Kimi-K2-Thinking.jinja").read_text()
+    history = [{"role": "user", "content": "q"}, {**message, "reasoning_content": "the user wants 42"},
+               {"role": "user", "content": "again"}]  # fmt: skip
+    rendered = tokenizer.apply_chat_template(
+        history, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+    assert "<think></think>42" in rendered and "the user wants" not in rendered

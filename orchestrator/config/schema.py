@@ -88,6 +88,10 @@ class RegenerateConfig:
     # the same request (orchestrator/engines/vllm/capture.py, `VLLMCapture`).
     engine: str = MISSING
     max_new_tokens: int = MISSING
+    # The assistant turns answered per conversation, turn by turn (orchestrator/regenerate.py): 1, the first; null,
+    # every one, each given the conversation so far with the target's earlier answers, as SpecForge's, speculators'
+    # and Model-Optimizer's regeneration scripts do. Each answered turn is one training sequence.
+    turns: Optional[int] = MISSING
     # 0: greedy, what the serve stage benchmarks; > 0 samples (seeded).
     temperature: float = MISSING
     # engine=hf: prompts per `generate` call.
@@ -405,18 +409,36 @@ def extract_storage(cfg: RootConfig) -> dict[str, Any]:
     states = len(captured_layers(cfg)) + 1
     per_token = states * cfg.target.hidden_size * DTYPE_BYTES[cfg.extract.dtype] + 5  # int32 id + uint8 loss mask
     conversations = cfg.data.max_train_conversations + cfg.data.max_val_conversations
-    tokens = conversations * cfg.data.max_seq_len
+    per_conversation = sequences_per_conversation(cfg)
+    sequences = round(conversations * per_conversation)
+    tokens = sequences * cfg.data.max_seq_len
     # train.states=stream: the train split's shards hold its token ids alone (5 bytes a token)
-    stored = cfg.data.max_val_conversations if cfg.train.states == "stream" else conversations
-    ids_only = (conversations - stored) * cfg.data.max_seq_len * 5
+    stored = round(cfg.data.max_val_conversations * per_conversation) if cfg.train.states == "stream" else sequences
+    ids_only = (sequences - stored) * cfg.data.max_seq_len * 5
     return {
         "conversations": conversations,
+        "sequences_per_conversation": per_conversation,
+        "sequences": sequences,
         "max_tokens": tokens,
         "states_per_token": states,
         "bytes_per_token": per_token,
         "max_bytes": stored * cfg.data.max_seq_len * per_token + ids_only,
         "limit_bytes": cfg.extract.max_bytes,
     }
+
+
+def sequences_per_conversation(cfg: RootConfig) -> float:
+    """The training sequences a conversation gives: one, or with regeneration one per answered turn: at most
+    data.regenerate.turns, or, with every turn answered (turns=null), the mean number of assistant turns a
+    conversation of data=jsonl's train files has (counted once per files' content; 1 for other data sets)."""
+    r = cfg.data.regenerate
+    if not r.enabled:
+        return 1.0
+    if r.turns is not None:
+        return float(r.turns)
+    from orchestrator.data import answered_turns
+
+    return answered_turns(cfg.data) if cfg.data.name == "jsonl" else 1.0
 
 
 def stream_cost(cfg: RootConfig) -> dict[str, Any] | None:
@@ -428,7 +450,7 @@ def stream_cost(cfg: RootConfig) -> dict[str, Any] | None:
     if t.states != "stream":
         return None
     per_token = (len(captured_layers(cfg)) + 1) * cfg.target.hidden_size * DTYPE_BYTES[cfg.extract.dtype]
-    samples = cfg.data.max_train_conversations
+    samples = round(cfg.data.max_train_conversations * sequences_per_conversation(cfg))
     epoch_bytes = samples * cfg.data.max_seq_len * per_token
     epochs = t.max_steps * t.batch_size / samples if t.max_steps else float(t.epochs)
     kept = min(st.replay_bytes, epoch_bytes)

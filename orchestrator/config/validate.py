@@ -145,6 +145,7 @@ def validate(cfg: RootConfig) -> None:
     check_data(cfg.data)
     r = cfg.data.regenerate
     check(r.max_new_tokens >= 1, f"data.regenerate.max_new_tokens={r.max_new_tokens}: expected >= 1")
+    check(r.turns is None or r.turns >= 1, f"data.regenerate.turns={r.turns}: expected >= 1, or null for every turn")
     check(r.temperature >= 0, f"data.regenerate.temperature={r.temperature}: expected >= 0 (0 = greedy)")
     check(r.batch_size >= 1, f"data.regenerate.batch_size={r.batch_size}: expected >= 1")
     check_regenerate(cfg)
@@ -389,6 +390,13 @@ def check_regenerate(cfg: RootConfig) -> None:
                 f"data.regenerate.engine=one_pass with extract.engine={cfg.extract.engine}: the response is "
                 f"generated and its states captured in one request of a serving engine's capture; set "
                 f"extract.engine={' or '.join(able)}, or regenerate with data.regenerate.engine=hf or server"
+            )
+        if r.turns != 1:
+            raise ConfigError(
+                f"data.regenerate.turns={'null' if r.turns is None else r.turns} with data.regenerate.engine=one_pass: "
+                "the one-pass capture answers "
+                "each conversation's first turn, in the request that captures it; answer later turns with "
+                "data.regenerate.engine=server (or hf), or set data.regenerate.turns=1"
             )
         if r.temperature != 0:
             raise ConfigError(

@@ -124,12 +124,13 @@ class CaptureEngine:
     task fails naming the engine's log. A request the engine answers with an error fails the task at once (the
     same request would fail again)."""
 
-    def __init__(self, cfg, target_path, gpus: int, work: Path, log: Path):
+    def __init__(self, cfg, target_path, gpus: int, work: Path, log: Path, engine_args: list[str] | None = None):
         e = cfg.extract
         self.work, self.log, self.queue = Path(work), Path(log), Path(work) / "queue"
         self.startup_timeout_s, self.request_timeout_s = e.startup_timeout_s, e.request_timeout_s
         self.restarts, self.restarts_left = e.engine_restarts, e.engine_restarts
-        engine_args = cli.extract_engine_args(cfg, target_path, self.work, gpus)
+        if engine_args is None:  # the extraction's engine: its layers and precision
+            engine_args = cli.extract_engine_args(cfg, target_path, self.work, gpus)
         self.command = cli.capture_service_command(e.python, self.queue, engine_args)
         self.pending: list[dict] = []  # the requests sent and not answered, oldest first
         self.sent = 0
@@ -251,23 +252,18 @@ def read_states(assemble: Assembler, rendered, files: list[str], layers: int, wh
 
 
 class VLLMStream:
-    """vLLM's extractor kept up for a capture service (train.states=stream, orchestrator/states/stream.py): each
-    batch one request to the engine (side/capture.py --serve, answering the requests written to `work/queue`), its
-    files assembled as the extract stage assembles a shard's."""
+    """vLLM's extractor kept up for a capture service (train.states=stream, orchestrator/states/stream.py) or for
+    eval (`VLLMEval`): one `CaptureEngine`, so a stalled or dead engine is restarted or fails as the extract stage's
+    does (extract.request_timeout_s, startup_timeout_s, engine_restarts); each batch one request, its files
+    assembled as the extract stage assembles a shard's."""
 
     def __init__(self, cfg, target_path, layers, compute, work: Path, engine_args: list[str] | None = None):
         self.work, self.layers, self.sent = Path(work), len(layers), 0
-        self.queue = self.work / "queue"
-        self.queue.mkdir(parents=True, exist_ok=True)
         self.assemble = assembler(cfg, target_path)
         gpus = sum(d.type == "cuda" for d in compute.devices)
-        if engine_args is None:  # the extraction's engine: its layers and precision
-            engine_args = cli.extract_engine_args(cfg, target_path, self.work / "engine", gpus)
-        command = cli.capture_service_command(cfg.extract.python, self.queue, engine_args)
         self.log = self.work / "vllm.log"
-        print(f"[stream] vLLM capture engine: {shlex.join(command)} (log {self.log})", flush=True)
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=cli.side_env())
+        self.engine = CaptureEngine(cfg, target_path, gpus, self.work / "engine", self.log, engine_args)
+        print(f"[stream] vLLM capture engine: {shlex.join(self.engine.command)} (log {self.log})", flush=True)
 
     def states(self, rendered) -> list:
         report, out = self.ask([r.input_ids for r in rendered])
@@ -279,33 +275,13 @@ class VLLMStream:
         """One request to the engine: its report (the files of each prompt's states, the generated ids, vLLM's
         version) and the folder that holds the files."""
         self.sent += 1
-        request = self.queue / f"req-{self.sent:08d}.json"
         out = self.work / "out" / str(self.sent)
-        body = {"prompts": prompts, "out": str(out), "max_tokens": max_tokens,
-                "include_output_tokens": include_output_tokens}  # fmt: skip
-        with atomic_path(request) as tmp:
-            tmp.write_text(json.dumps(body))
-        done = request.with_suffix(".done")
-        while not done.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM's capture engine (pid {self.proc.pid}) exited with code {self.proc.returncode}; its log: "
-                    f"{self.log}\n{_tail(self.log)}"
-                )
-            time.sleep(0.005)
-        report = json.loads(done.read_text())
-        done.unlink()
-        if "error" in report:
-            raise RuntimeError(f"vLLM's capture engine failed a request: {report['error']}; its log: {self.log}")
-        return report, out
+        self.engine.send({"prompts": prompts, "out": str(out), "max_tokens": max_tokens,
+                          "include_output_tokens": include_output_tokens})  # fmt: skip
+        return self.engine.answer(), out
 
     def close(self) -> None:
-        (self.queue / "stop").touch()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        self.engine.close()
 
 
 class VLLMEval:
