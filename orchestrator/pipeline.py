@@ -184,6 +184,25 @@ def print_serve_commands(cfg: RootConfig, plan: Plan) -> None:
         print(f"[serve] {engine.name}'s parser in serve.python {'accepts' if parsed else 'is not there to check'} it")
 
 
+def print_regenerate_command(cfg: RootConfig, plan: Plan) -> None:
+    """The dry run: the server the extract job starts to regenerate the answers (data.regenerate.engine=server with
+    no url: the serve stage's command without a draft, on a free port), checked by the serving engine's own parser
+    where its environment has one; or the endpoint it is given."""
+    r = cfg.data.regenerate
+    if not (r.enabled and r.engine == "server"):
+        return
+    turns = "every turn in turn" if r.turns is None else f"{r.turns} turn(s)"
+    if r.url is not None:
+        print(f"[regenerate] answers ({turns}, {r.max_new_tokens} new tokens at most) from data.regenerate.url={r.url}")
+        return
+    engine = engines.get(cfg.serve.engine, engines.SERVE)
+    command = engines.server_command(cfg, Path(plan.target_dir), None, 30000)
+    print(f"[regenerate] the extract job serves the target ({turns}, {r.max_new_tokens} new tokens at most): "
+          f"{shlex.join(command)}")  # fmt: skip
+    parsed = engine.check_command(cfg, command)
+    print(f"[regenerate] {engine.name}'s parser in serve.python {'accepts' if parsed else 'is not there to check'} it")
+
+
 def make_plan(cfg: RootConfig, run_dir: Path) -> Plan:
     run_dir = Path(run_dir).resolve()
     keys = stage_keys(cfg)
@@ -453,6 +472,7 @@ def run_pipeline(
     if cfg.dry_run:
         print_mask_preview(cfg, Path(plan.target_dir))
         if "extract" in cfg.stages:  # what each extract task runs, checked by the engine where it can
+            print_regenerate_command(cfg, plan)
             engines.get(cfg.extract.engine, engines.CAPTURE).print_capture(cfg, plan)
         if "eval" in cfg.stages:  # what the eval job runs as its live target, checked by the engine where it can
             engines.get(cfg.eval.engine, engines.CAPTURE).print_eval(cfg, plan)

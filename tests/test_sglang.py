@@ -406,11 +406,12 @@ def test_the_kimi_dry_run_prints_both_server_commands_and_sglangs_parser_accepts
     sglang_python, tiny_config, tmp_path, capsys
 ):
     """+experiment=kimi_eagle3_vllm's serve stage, on paper: the dry run prints the baseline and speculative SGLang
-    commands the serve job will run (tp 8, the draft at the train stage's output), and SGLang 0.5.23's own parser
-    (`ServerArgs`, in serve.python) accepts each."""
+    commands the serve job will run (tp 8, the draft at the train stage's output), and the server the extract job
+    starts to answer the prompts turn by turn (the baseline's command), and SGLang 0.5.23's own parser (`ServerArgs`,
+    in serve.python) accepts each."""
     from conftest import kimi_checkpoint
 
-    from orchestrator.pipeline import make_plan, print_serve_commands
+    from orchestrator.pipeline import make_plan, print_regenerate_command, print_serve_commands
 
     kimi = kimi_checkpoint(tmp_path / "Kimi-K2.5")
     cfg = tiny_config(f"target.path={kimi}", f"serve.python={sglang_python}", experiment="kimi_eagle3_vllm",
@@ -423,3 +424,9 @@ def test_the_kimi_dry_run_prints_both_server_commands_and_sglangs_parser_accepts
     baseline, speculative = (x.split(" server: ", 1)[1].split() for x in lines)
     assert "--speculative-algorithm" not in baseline and "--tp-size" in baseline
     assert speculative[speculative.index("--speculative-draft-model-path") + 1] == str(plan.dir("train") / "draft")
+    print_regenerate_command(cfg, plan)
+    out = capsys.readouterr().out
+    assert "[regenerate] sglang's parser in serve.python accepts it" in out, out
+    line = next(x for x in out.splitlines() if x.startswith("[regenerate] the extract job serves the target"))
+    assert "(every turn in turn, 4096 new tokens at most)" in line
+    assert line.split("): ", 1)[1].split() == baseline, "regeneration serves the target as the baseline does"
