@@ -27,6 +27,7 @@ from orchestrator.config import (
     RootConfig,
     captured_layers,
     extract_storage,
+    storage_terms,
     stream_cost,
     tasks_per_node,
     world_size,
@@ -109,6 +110,8 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     data.pop("min_loss_fraction")  # a check, not an input
     if not cfg.data.regenerate.enabled:  # the settings of a regeneration that does not run decide nothing
         data["regenerate"] = {"enabled": False}
+    elif cfg.data.regenerate.turns == 1:  # the first turn alone: the keys of runs made before turns existed stay
+        data["regenerate"].pop("turns")
     keys: dict[str, str] = {}
     keys["extract"] = stable_hash(
         {"target": target, "data": data, "extract": extract, "seed": cfg.seed, "code": CODE_VERSION["extract"]}
@@ -359,8 +362,8 @@ def print_plan(plan: Plan) -> None:
         if "storage" in s:
             st = s["storage"]
             print(
-                f"extract writes at most {st['max_bytes'] / 1e9:,.1f} GB: {st['max_tokens']:,} tokens x "
-                f"{st['bytes_per_token']:,} bytes/token ({st['states_per_token']} states); extract.max_bytes="
+                f"extract writes at most {st['max_bytes'] / 1e9:,.1f} GB: {storage_terms(st)} "
+                f"({st['states_per_token']} states); extract.max_bytes="
                 f"{st['limit_bytes'] / 1e9:,.1f} GB"
             )
         if s.get("stream"):

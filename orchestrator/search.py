@@ -35,7 +35,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from orchestrator import engines, preflight, pruning, results, runner, tracking
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import stable_hash, write_json
-from orchestrator.config import ConfigError, RootConfig, extract_storage, load
+from orchestrator.config import ConfigError, RootConfig, extract_storage, load, storage_terms
 
 PRUNE_METRICS = ("expected_accept_length", "acc_<k>", "full_acc_<k>")
 # A worker whose proposed point is already running in another trial tells its trial failed (not counted) and asks
@@ -209,7 +209,9 @@ def union_storage(search: SearchConfig, experiment: dict[str, Any], space: Space
     if storage["max_bytes"] <= storage["limit_bytes"]:
         return cfg, storage
     state_bytes = (storage["bytes_per_token"] - 5) // storage["states_per_token"]  # one hidden state of one token
-    fits = int((storage["limit_bytes"] / storage["max_tokens"] - 5) // state_bytes) - 1  # the teacher state is one
+    # the tokens whose states are stored (train.states=stream: the val split's), past the stream's token ids
+    room = (storage["limit_bytes"] - storage["ids_only_bytes"]) / storage["stored_tokens"]
+    fits = int((room - 5) // state_bytes) - 1  # the teacher state is one
     proposal = smaller_candidates(search, cfg, space, fits)
     raise SearchError(
         f"the search extracts the union of its candidate layers once ({len(space.union)} layers {space.union}): "
@@ -253,8 +255,8 @@ def print_space(search: SearchConfig, space: Space, cfg: RootConfig, storage: di
         print(f"  slot {i}: range {rng} -> {layers}")
     print(
         f"one extraction for every trial: the union {space.union} ({len(space.union)} layers), at most "
-        f"{storage['max_bytes'] / 1e9:,.2f} GB ({storage['max_tokens']:,} tokens x {storage['bytes_per_token']:,} "
-        f"bytes/token); one point alone: {single['max_bytes'] / 1e9:,.2f} GB; extract.max_bytes="
+        f"{storage['max_bytes'] / 1e9:,.2f} GB ({storage_terms(storage)}); one point alone: "
+        f"{single['max_bytes'] / 1e9:,.2f} GB; extract.max_bytes="
         f"{storage['limit_bytes'] / 1e9:,.1f} GB"
     )
     print(

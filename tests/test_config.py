@@ -189,15 +189,22 @@ def test_dry_run_prints_the_extraction_storage_and_an_over_budget_plan_is_refuse
     here, outputs = _kimi_here(tmp_path), tmp_path / "outputs"
     proc = _cli(["+experiment=kimi_eagle3", "dry_run=true", *here], outputs)
     assert proc.returncode == 0, proc.stderr
-    # 2,200 conversations x 2048 tokens, each token 4 states (3 aux + teacher) x 7168 x 2 bytes + id and mask
-    assert "extract writes at most 258.4 GB: 4,505,600 tokens x 57,349 bytes/token (4 states)" in proc.stdout
+    # the recipes' scale, states streamed: the val split's 1,000 conversations x 1.1 answered turns (the sample
+    # file's mean) x 8192 tokens, each token 4 states (3 aux + teacher) x 7168 x 2 bytes + id and mask; and the
+    # train split's 1,100,000 sequences' token ids, 5 bytes a token
+    stored, ids = 1100 * 8192, 1_100_000 * 8192
+    total = stored * 57_349 + ids * 5
+    assert (
+        f"extract writes at most {total / 1e9:,.1f} GB: {stored:,} tokens x 57,349 bytes/token + {ids:,} streamed "
+        "tokens' ids x 5 bytes (4 states)" in proc.stdout
+    ), proc.stdout
     plan = json.loads(next(outputs.rglob("plan.json")).read_text())
-    assert plan["stages"][0]["storage"]["max_bytes"] == 4_505_600 * 57_349
+    assert plan["stages"][0]["storage"]["max_bytes"] == total
 
     refused = _cli(["+experiment=kimi_eagle3", "dry_run=true", "extract.max_bytes=1e10", *here], outputs / "refused")
     assert refused.returncode != 0
     assert (
-        "[storage] extraction writes at most 258.4 GB" in refused.stderr
+        f"[storage] extraction writes at most {total / 1e9:,.1f} GB" in refused.stderr
         and "extract.max_bytes=10.0 GB" in refused.stderr
     )
     assert not list((outputs / "refused").rglob("plan.json")), "refused before anything is written"

@@ -299,6 +299,10 @@ def test_every_turn_is_answered_in_turn_given_the_targets_earlier_answers(tiny, 
     server_cfg = compose_config(cfg.outputs, "data.regenerate.engine=server", *base, "data.regenerate.turns=null")
     served = regenerate(convs, server_cfg, tokenizer, cfg.seed, log_dir=tmp_path)
     assert _pairs(served) == _pairs(seqs), "the server's turns differ from HF generate's"
+    from orchestrator.pipeline import stage_keys
+
+    keys = {stage_keys(c)["extract"] for c in (every, two, compose_config(cfg.outputs, *base))}
+    assert len(keys) == 3, "the turns answered key the extraction"
 
 
 def test_an_earlier_answer_goes_back_without_its_thinking_as_kimis_template_renders_history(tiny):

@@ -221,14 +221,17 @@ def test_the_kimi_dry_run_prices_the_stream(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "orchestrator", *argv], capture_output=True, text=True, env=env,
                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    epoch = 2000 * 2048  # data.max_train_conversations x data.max_seq_len
-    # the val split's states and the train split's ids: 200 x 2048 x 57,349 + 2000 x 2048 x 5 bytes
-    assert f"extract writes at most {(200 * 2048 * 57_349 + epoch * 5) / 1e9:,.1f} GB" in proc.stdout
+    # the recipes' scale (conf/experiment/kimi_eagle3.yaml): every turn answered, one sequence each, 1.1 a
+    # conversation in the sample file (44 answered turns in 40 conversations), data.max_seq_len 8192
+    epoch = round(1_000_000 * 1.1) * 8192  # data.max_train_conversations x 1.1 x data.max_seq_len
+    val = round(1000 * 1.1) * 8192
+    # the val split's states and the train split's ids
+    assert f"extract writes at most {(val * 57_349 + epoch * 5) / 1e9:,.1f} GB" in proc.stdout
     assert f"57,344 bytes/token, an epoch at most {epoch:,} tokens = {epoch * 57_344 / 1e9:,.1f} GB" in proc.stdout
     kept = 1e11 / (epoch * 57_344)
     assert "10 epochs: capture every epoch = 10 capture passes" in proc.stdout
     assert f"= {1 + 9 * (1 - kept):.2f} passes, 100.0 GB kept" in proc.stdout
-    trainers, capture = 0.37 * 8 * 2048 * 57_344, 3.0 * 2048 * 57_344
+    trainers, capture = 0.37 * 8 * 8192 * 57_344, 3.0 * 8192 * 57_344
     assert f"the trainers consume up to {trainers / 1e9:,.2f} GB/s" in proc.stdout
     assert f"the capture service produces up to {capture / 1e9:,.2f} GB/s" in proc.stdout
     assert not list(tmp_path.rglob("jobs")), "a dry run submits nothing"

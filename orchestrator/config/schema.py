@@ -422,9 +422,20 @@ def extract_storage(cfg: RootConfig) -> dict[str, Any]:
         "max_tokens": tokens,
         "states_per_token": states,
         "bytes_per_token": per_token,
+        "stored_tokens": stored * cfg.data.max_seq_len,
+        "ids_only_bytes": ids_only,
         "max_bytes": stored * cfg.data.max_seq_len * per_token + ids_only,
         "limit_bytes": cfg.extract.max_bytes,
     }
+
+
+def storage_terms(st: dict[str, Any]) -> str:
+    """`extract_storage`'s bytes as the product they are: the tokens whose states are stored x bytes a token, plus
+    the streamed split's token ids where there are some."""
+    terms = f"{st['stored_tokens']:,} tokens x {st['bytes_per_token']:,} bytes/token"
+    if st["ids_only_bytes"]:
+        terms += f" + {(st['max_tokens'] - st['stored_tokens']):,} streamed tokens' ids x 5 bytes"
+    return terms
 
 
 def sequences_per_conversation(cfg: RootConfig) -> float:
@@ -508,6 +519,7 @@ __all__ = [
     "one_pass",
     "check_speculative_args",
     "extract_storage",
+    "storage_terms",
     "stream_cost",
     "captured_layers",
 ]
