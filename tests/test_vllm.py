@@ -88,7 +88,7 @@ def test_vllm_serves_the_draft_and_its_counters_agree_with_eval(vllm_python, fas
         fast_cache("extract", "train", "eval"), tmp_path / "outputs", ("targets", "extract", "train", "eval")
     )
     # one pass per server: what is checked is what vLLM counts, not the spread of CPU timings
-    cfg = tiny_config("cluster=local", "serve=vllm", f"outputs_dir={outputs}", "serve.repeats=1")
+    cfg = tiny_config("cluster=debug", "serve=vllm", f"outputs_dir={outputs}", "serve.repeats=1")
     summary = run_pipeline(cfg, tmp_path / "run")
     serve = summary["stages"]["serve"]
     assert serve["engine"] == "vllm" and serve["engine_version"] == "0.32.0" and "engine_fallback" not in serve
@@ -306,7 +306,7 @@ def test_a_tiny_kimi_extraction_by_vllm_equals_the_hf_extraction(vllm_python, ti
     """extract.engine=vllm on the tiny Kimi-K2.5 (`+experiment=tiny_kimi_eagle3` with the session's small build as
     target.path, aux layers vLLM's DeepSeek rule can capture): the extract stage's shards equal the HF engine's,
     token ids, masks and states (aux layers and the teacher's final-norm state) within float32 rounding."""
-    common = ("cluster=local", f"target.path={tiny_kimi_dir}", "target.hidden_size=64", "target.vocab_size=512",
+    common = ("cluster=debug", f"target.path={tiny_kimi_dir}", "target.hidden_size=64", "target.vocab_size=512",
               "draft.draft_vocab_size=256", "aux_layers=[1,2,3]", "data.regenerate.enabled=false",
               "extract.dtype=float32", "stages=[extract]", "data.max_train_conversations=16",
               "data.max_val_conversations=4", "data.max_seq_len=128")  # fmt: skip
@@ -343,7 +343,7 @@ def test_an_extraction_by_vllm_equals_the_hf_extraction(vllm_python, fast_cache,
     key name the engine."""
     monkeypatch.setenv("VLLM_PYTHON", vllm_python)
     outputs = copy_cache(fast_cache("extract"), tmp_path / "outputs", ("targets",))
-    common = ("cluster=local", f"outputs_dir={outputs}", "data.regenerate.enabled=false", "extract.dtype=float32",
+    common = ("cluster=debug", f"outputs_dir={outputs}", "data.regenerate.enabled=false", "extract.dtype=float32",
               "stages=[extract]")  # fmt: skip
     folders = {}
     for engine in ("hf", "vllm"):
@@ -384,7 +384,7 @@ def test_a_one_pass_extraction_holds_the_separate_regenerations_tokens(vllm_pyth
     monkeypatch.setenv("VLLM_PYTHON", vllm_python)
     separate = fast_cache("extract")
     outputs = copy_cache(separate, tmp_path / "outputs", ("targets",))
-    cfg = tiny_config("cluster=local", f"outputs_dir={outputs}", "stages=[extract]", "extract.engine=vllm",
+    cfg = tiny_config("cluster=debug", f"outputs_dir={outputs}", "stages=[extract]", "extract.engine=vllm",
                       "data.regenerate.engine=one_pass")  # fmt: skip
     run_pipeline(cfg, tmp_path / "one_pass")
     folder = make_plan(cfg, tmp_path / "one_pass").dir("extract")
@@ -634,7 +634,7 @@ def test_the_tiny_kimi_runs_every_stage_through_vllm_and_hf_never_loads_it(vllm_
     ev = stages["eval"]
     assert ev["engine"].startswith("vllm 0.32") and ev["served_layers"] == [1, 2, 3], ev
     assert not ev["mismatch"], ev["mismatch_flags"]
-    served = tiny_config("cluster=local", *common, "serve.repeats=1", experiment="tiny_kimi_eagle3")
+    served = tiny_config("cluster=debug", *common, "serve.repeats=1", experiment="tiny_kimi_eagle3")
     summary = run_pipeline(served, tmp_path / "serve")["stages"]
     assert all(summary[s].get("cached") for s in ("extract", "train", "eval")), summary
     expected, accept = ev["expected_accept_length"], summary["serve"]["accept_length"]
@@ -654,7 +654,7 @@ def test_eval_through_vllm_measures_what_eval_through_hf_measures(vllm_python, f
 
     parts = ("targets", "extract", "train", "eval")
     outputs = copy_cache(fast_cache("extract", "train", "eval"), tmp_path / "outputs", parts)
-    stages = ("cluster=local", "stages=[extract,train,eval]", f"extract.python={vllm_python}")
+    stages = ("cluster=debug", "stages=[extract,train,eval]", f"extract.python={vllm_python}")
     hf = run_pipeline(compose_config(outputs, *stages), tmp_path / "hf")["stages"]["eval"]
     live = run_pipeline(compose_config(outputs, *stages, "eval.engine=vllm"), tmp_path / "vllm")["stages"]["eval"]
     assert hf.get("cached") and not live.get("cached") and live["engine"].startswith("vllm 0.32"), live
