@@ -544,12 +544,17 @@ def masked_text(tokenizer, conversation: list[dict], source: str = "the target's
 
 def prompt_ids(tokenizer, conversation: list[dict], max_len: int) -> list[int]:
     """The conversation up to its first assistant turn, with the generation prompt: what a user sends."""
-    first_user = []
+    return chat_prompt_ids(tokenizer, before_first_answer(conversation), tools_of(conversation), max_len)
+
+
+def before_first_answer(conversation: list[dict]) -> list[dict]:
+    """The turns before the conversation's first assistant turn: its first prompt."""
+    first = []
     for message in conversation:
         if message["role"] == "assistant":
             break
-        first_user.append(message)
-    return chat_prompt_ids(tokenizer, first_user, tools_of(conversation), max_len)
+        first.append(message)
+    return first
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], tools: list | None, max_len: int) -> list[int]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from orchestrator import engines
 from orchestrator.config import RootConfig
-from orchestrator.data import Rendered, chat_prompt_ids, render, tools_of, turns_after_answers
+from orchestrator.data import Rendered, before_first_answer, chat_prompt_ids, render, tools_of, turns_after_answers
 from orchestrator.engines import client
 from orchestrator.targets import template_source
 
@@ -114,14 +114,7 @@ def turn_by_turn(conversations: list, tokenizer, turns: int | None, max_len: int
     and the answer as the target writes it, thinking included, its tokens the loss tokens. Turns are not merged into
     one sequence: a template that rewrites history (Kimi's drops earlier thinking) makes a later prompt differ from
     the earlier sequence it would extend, and each sequence is what serving sees at its turn."""
-    histories = []
-    for c in conversations:
-        first = []
-        for message in c:
-            if message["role"] == "assistant":
-                break
-            first.append(message)
-        histories.append(first)
+    histories = [before_first_answer(c) for c in conversations]
     following = [turns_after_answers(c) for c in conversations]
     out: list[list[Rendered]] = [[] for _ in conversations]
     active, turn = list(range(len(conversations))), 0
