@@ -26,13 +26,11 @@ from orchestrator.config import (
     ConfigError,
     RootConfig,
     captured_layers,
-    extract_storage,
-    storage_terms,
-    stream_cost,
     tasks_per_node,
     world_size,
 )
 from orchestrator.data import data_identity
+from orchestrator.estimates import extract_storage, storage_terms, stream_cost
 from orchestrator.targets import target_dir, weights_fingerprint
 
 # The stages whose output is a pure function of their key: kept under outputs/cache/<stage>/<key> and reused by every
@@ -371,7 +369,7 @@ def print_plan(plan: Plan) -> None:
 
 
 def print_stream_cost(st: dict[str, Any], resources: dict[str, Any]) -> None:
-    """train.states=stream on paper (`config.stream_cost`): what the stream carries, what each choice of epochs
+    """train.states=stream on paper (`estimates.stream_cost`): what the stream carries, what each choice of epochs
     costs, the link each side needs where its rate is estimated, and where the capture service runs."""
     print(
         f"train streams its states (train.states=stream; docs/streaming.md): {st['bytes_per_token']:,} bytes/token, "

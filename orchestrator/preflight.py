@@ -19,7 +19,8 @@ from orchestrator import engines
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import MANIFEST, read_json
 from orchestrator.compute import resolve_precision
-from orchestrator.config import RootConfig, extract_storage, tasks_per_node
+from orchestrator.config import RootConfig, tasks_per_node
+from orchestrator.estimates import extract_storage
 from orchestrator.targets import quantization_of
 
 CATEGORIES = (

@@ -35,7 +35,8 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from orchestrator import engines, preflight, pruning, results, runner, tracking
 from orchestrator import layers as layer_contract
 from orchestrator.artifacts import stable_hash, write_json
-from orchestrator.config import ConfigError, RootConfig, extract_storage, load, storage_terms
+from orchestrator.config import ConfigError, RootConfig, load
+from orchestrator.estimates import extract_storage, storage_terms
 
 PRUNE_METRICS = ("expected_accept_length", "acc_<k>", "full_acc_<k>")
 # A worker whose proposed point is already running in another trial tells its trial failed (not counted) and asks

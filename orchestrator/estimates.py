@@ -1,0 +1,91 @@
+"""What a plan writes and streams, on paper: the extraction's storage (`extract_storage`, which the dry run prints
+and the config check holds to extract.max_bytes) and train.states=stream's costs (`stream_cost`), from the config
+and, where every turn is answered, the data files' own count of turns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.config import RootConfig, captured_layers
+from orchestrator.data import answered_turns
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def extract_storage(cfg: RootConfig) -> dict[str, Any]:
+    """What the extract stage will write, at most: every conversation at `data.max_seq_len` tokens, each token
+    with K captured states and the teacher state of `target.hidden_size` in `extract.dtype`, plus its id and mask."""
+    states = len(captured_layers(cfg)) + 1
+    per_token = states * cfg.target.hidden_size * DTYPE_BYTES[cfg.extract.dtype] + 5  # int32 id + uint8 loss mask
+    conversations = cfg.data.max_train_conversations + cfg.data.max_val_conversations
+    per_conversation = sequences_per_conversation(cfg)
+    sequences = round(conversations * per_conversation)
+    tokens = sequences * cfg.data.max_seq_len
+    # train.states=stream: the train split's shards hold its token ids alone (5 bytes a token)
+    stored = round(cfg.data.max_val_conversations * per_conversation) if cfg.train.states == "stream" else sequences
+    ids_only = (sequences - stored) * cfg.data.max_seq_len * 5
+    return {
+        "conversations": conversations,
+        "sequences_per_conversation": per_conversation,
+        "sequences": sequences,
+        "max_tokens": tokens,
+        "states_per_token": states,
+        "bytes_per_token": per_token,
+        "stored_tokens": stored * cfg.data.max_seq_len,
+        "ids_only_bytes": ids_only,
+        "max_bytes": stored * cfg.data.max_seq_len * per_token + ids_only,
+        "limit_bytes": cfg.extract.max_bytes,
+    }
+
+
+def storage_terms(st: dict[str, Any]) -> str:
+    """`extract_storage`'s bytes as the product they are: the tokens whose states are stored x bytes a token, plus
+    the streamed split's token ids where there are some."""
+    terms = f"{st['stored_tokens']:,} tokens x {st['bytes_per_token']:,} bytes/token"
+    if st["ids_only_bytes"]:
+        terms += f" + {(st['max_tokens'] - st['stored_tokens']):,} streamed tokens' ids x 5 bytes"
+    return terms
+
+
+def sequences_per_conversation(cfg: RootConfig) -> float:
+    """The training sequences a conversation gives: one, or with regeneration one per answered turn: at most
+    data.regenerate.turns, or, with every turn answered (turns=null), the mean number of assistant turns a
+    conversation of data=jsonl's train files has (counted once per files' content; 1 for other data sets)."""
+    r = cfg.data.regenerate
+    if not r.enabled:
+        return 1.0
+    if r.turns is not None:
+        return float(r.turns)
+    return answered_turns(cfg.data) if cfg.data.name == "jsonl" else 1.0
+
+
+def stream_cost(cfg: RootConfig) -> dict[str, Any] | None:
+    """train.states=stream on paper (the dry run prints it): the bytes a token's states take on the stream, an epoch
+    at most (`data.max_train_conversations` x `data.max_seq_len` tokens), what each choice of epochs costs (capture
+    passes against bytes kept, `train.stream.replay_bytes`), and, where the rates are estimated
+    (`train.stream.train_samples_per_s`, `train.stream.capture_samples_per_s`), the link each side needs."""
+    t, st = cfg.train, cfg.train.stream
+    if t.states != "stream":
+        return None
+    per_token = (len(captured_layers(cfg)) + 1) * cfg.target.hidden_size * DTYPE_BYTES[cfg.extract.dtype]
+    samples = round(cfg.data.max_train_conversations * sequences_per_conversation(cfg))
+    epoch_bytes = samples * cfg.data.max_seq_len * per_token
+    epochs = t.max_steps * t.batch_size / samples if t.max_steps else float(t.epochs)
+    kept = min(st.replay_bytes, epoch_bytes)
+    later = max(epochs - 1, 0.0)
+    out = {
+        "bytes_per_token": per_token,
+        "epoch_tokens": samples * cfg.data.max_seq_len,
+        "epoch_bytes": epoch_bytes,
+        "epochs": epochs,
+        "recapture": {"capture_passes": epochs, "bytes_kept": 0},
+        "replay": {"capture_passes": min(epochs, 1.0) + later * (1 - kept / epoch_bytes), "bytes_kept": kept},
+        "buffer_bytes": st.buffer_bytes,
+    }
+    trainers = t.resources.nodes * max(t.resources.gpus_per_node, 1)
+    sample_bytes = cfg.data.max_seq_len * per_token  # a sample at most
+    if st.train_samples_per_s is not None:
+        out["trainers_bytes_per_s"] = st.train_samples_per_s * trainers * sample_bytes
+    if st.capture_samples_per_s is not None:
+        out["capture_bytes_per_s"] = st.capture_samples_per_s * sample_bytes
+    return out
