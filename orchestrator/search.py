@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -108,13 +109,25 @@ def split(cfg: DictConfig) -> tuple[SearchConfig, dict[str, Any]]:
     return search, rest
 
 
-def point_config(experiment: dict[str, Any], point: list[int], union: list[int]) -> RootConfig:
-    """The experiment at one point, extracting the search's union, validated as any run is (`config.load`)."""
+def point_config(
+    experiment: dict[str, Any], point: list[int], union: list[int], join: Path | None = None
+) -> RootConfig:
+    """The experiment at one point, extracting the search's union, validated as any run is (`config.load`); with
+    `join`, training reads the states of the capture service the search runs there (`train.stream.join`)."""
     raw = copy.deepcopy(experiment)
     raw["aux_layers"] = list(point)
     raw["extract"]["extra_layers"] = list(union)
     raw["cluster"]["wait"] = True  # a trial's value is its result: the driver waits for a Slurm chain too
+    if join is not None:
+        raw["train"]["stream"]["join"] = str(join)
     return load(raw)
+
+
+def shares_stream(cfg: RootConfig) -> bool:
+    """Whether the trials that run at once read one capture service (`Study.run_shared`): with train.states=stream,
+    where the service can run beside the driver (cluster local or debug). On Slurm each trial's training starts its
+    own service on its own node, and the dry run says what that costs."""
+    return cfg.train.states == "stream" and cfg.cluster.kind != "slurm" and "train" in cfg.stages
 
 
 def check(search: SearchConfig, base: RootConfig) -> None:
@@ -264,9 +277,29 @@ def print_space(search: SearchConfig, space: Space, cfg: RootConfig, storage: di
         f"value: {objective_name(cfg)} (maximised); {search.n_trials} trials, {search.n_jobs} at a time; pruner "
         f"{search.pruner['_target_']} on train/val_{search.prune_metric}; study at {study_dir}"
     )
+    passes = stream_passes(search, cfg)
+    if passes:
+        print(passes)
     savings = serving_savings(search, cfg)
     if savings:
         print(savings)
+
+
+def stream_passes(search: SearchConfig, cfg: RootConfig) -> str | None:
+    """What the trials' streamed states cost in capture passes (train.states=stream; docs/streaming.md)."""
+    if cfg.train.states != "stream":
+        return None
+    n, k = search.n_trials, min(search.n_jobs, search.n_trials)
+    if not shares_stream(cfg):
+        return (
+            f"stream: on cluster={cfg.cluster.kind} each trial's training starts its own capture service: {n} capture "
+            "passes per epoch, one per trial"
+        )
+    groups = -(-n // k)
+    return (
+        f"stream: the trials run {k} at a time, each group reading one capture service of the union's layers "
+        f"beside this driver: {groups} capture pass{'es' if groups != 1 else ''} per epoch for {n} trials, not {n}"
+    )
 
 
 def serving_savings(search: SearchConfig, cfg: RootConfig) -> str | None:
@@ -495,16 +528,66 @@ class Study:
         flight have ended."""
         from concurrent.futures import ThreadPoolExecutor
 
+        if shares_stream(self.base):
+            return self.run_shared(min(self.search.n_jobs, n))
         with ThreadPoolExecutor(max_workers=min(self.search.n_jobs, n), thread_name_prefix="trial") as pool:
             futures = [pool.submit(self.run_one) for _ in range(n)]
+            self._results(futures)
+
+    def _results(self, futures, poll=None) -> None:
+        """Waits for the trials' threads (calling `poll` meanwhile); an error other than a trial's own failure (a
+        bug, or Ctrl-C) starts no further trial, and is raised once those in flight have ended."""
+        from concurrent.futures import FIRST_EXCEPTION
+        from concurrent.futures import wait as wait_for
+
+        try:
+            while wait_for(futures, timeout=0.5, return_when=FIRST_EXCEPTION).not_done:
+                if poll is not None:
+                    poll()
+                if any(f.done() and f.exception() is not None for f in futures):
+                    break
+            for future in futures:
+                future.result()
+        except BaseException:
+            self.stopping.set()
+            for future in futures:
+                future.cancel()
+            raise
+
+    def run_shared(self, k: int) -> None:
+        """`k` trials at once, their trainings reading one capture service of the union's layers
+        (`orchestrator/states/stream.py`): one capture pass per epoch for the group, not one per trial. Each trial
+        is registered as a consumer before the service starts; it leaves the group when it ends, whatever its
+        outcome (a point known already or rejected leaves at once), and the service stops with the group."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from orchestrator.pipeline import make_plan
+        from orchestrator.states import stream
+
+        asked = self.ask_distinct(k)
+        cfg = self.base
+        spool = Path(cfg.train.stream.spool) if cfg.train.stream.spool else self.folder / "stream"
+        plan = make_plan(cfg, self.folder / "extract")
+        spec = stream.StreamSpec(
+            cfg, str(plan.dir("extract")), plan.target_dir, 0, 0, cfg.train.stream.buffer_bytes, os.getpid(),
+            cfg.train.stream.replay_bytes, shared=True,
+        )  # fmt: skip
+        names = [f"{t.number:04d}" for t in asked]
+        print(f"[search] trials {[t.number for t in asked]} read one capture service: {spool}")
+        service = stream.CaptureService(spool, spec).start(consumers=names)
+
+        def one(trial, name: str) -> None:
             try:
-                for future in futures:
-                    future.result()
-            except BaseException:  # a bug, or Ctrl-C: no further trial starts; those in flight end first
-                self.stopping.set()
-                for future in futures:
-                    future.cancel()
-                raise
+                self.settle(trial, lambda: self.trial(trial, wait=False, join=spool))
+            finally:
+                stream.unregister(spool, name)
+
+        try:
+            with ThreadPoolExecutor(max_workers=k, thread_name_prefix="trial") as pool:
+                futures = [pool.submit(one, t, name) for t, name in zip(asked, names)]
+                self._results(futures, poll=service.proc.poll)  # reaped at once: a trainer sees its exit
+        finally:
+            service.stop()
 
     def run_one(self) -> None:
         """Asks the study for a trial, runs it and tells its outcome: complete, pruned, or failed (a stage's
@@ -514,15 +597,43 @@ class Study:
             if self.stopping.is_set() or self.run_asked(wait=ask == IN_FLIGHT_ASKS):
                 return
 
+    def ask_distinct(self, k: int) -> list:
+        """`k` trials at distinct points (fewer where the sampler keeps proposing points the group holds or another
+        trial runs): a trial of the group reads the stream from its start, so none waits for another's outcome. A
+        repeated proposal is told failed, not counted, as a point in flight is (`claim`)."""
+        import optuna
+
+        group: dict[tuple[int, ...], Any] = {}
+        with self.storage_lock:
+            for _ in range(k + IN_FLIGHT_ASKS):
+                if len(group) == k:
+                    break
+                trial = self.study.ask()
+                point = tuple(suggest(trial, self.space))
+                owner = group.get(point) or self.in_flight.get(point)
+                if owner is None:
+                    group[point] = trial
+                    continue
+                number = owner[0] if isinstance(owner, tuple) else owner.number
+                trial.set_user_attr("in_flight_of", number)
+                print(f"[search] trial {trial.number}: aux_layers={list(point)} is trial {number}'s: asking again")
+                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        return list(group.values())
+
     def run_asked(self, wait: bool) -> bool:
         """One trial asked and told; False when its point was in flight elsewhere (told failed, not counted)."""
+        with self.storage_lock:
+            trial = self.study.ask()
+        return self.settle(trial, lambda: self.trial(trial, wait))
+
+    def settle(self, trial, run) -> bool:
+        """`run()`'s outcome told for `trial`; False when its point was in flight elsewhere (told failed, not
+        counted)."""
         import optuna
 
         states = optuna.trial.TrialState
-        with self.storage_lock:
-            trial = self.study.ask()
         try:
-            value = self.trial(trial, wait)
+            value = run()
         except InFlight:
             self.tell(trial, state=states.FAIL)
             return False
@@ -595,8 +706,9 @@ class Study:
         summary = run_pipeline(cfg, run_dir, sweep_dir=self.folder)
         tracking.union_extracted(self.uri, summary["mlflow_run_id"], self.space.union)
 
-    def trial(self, trial, wait: bool = True) -> float:
-        """One trial: its point, validated, as one pipeline run whose value the study maximises."""
+    def trial(self, trial, wait: bool = True, join: Path | None = None) -> float:
+        """One trial: its point, validated, as one pipeline run whose value the study maximises; with `join`, its
+        training reads the capture service there."""
         import optuna
 
         from orchestrator.pipeline import run_pipeline
@@ -614,7 +726,7 @@ class Study:
             print(f"[search] trial {trial.number}: aux_layers={point} as trial {done.number}: {done.value:.4f}, no job")
             return done.value
         try:
-            cfg = point_config(self.experiment, point, self.space.union)
+            cfg = point_config(self.experiment, point, self.space.union, join)
             bad = preflight.failures(preflight.config_findings(cfg))
             if bad:
                 raise preflight.PreflightError(bad)

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -292,3 +293,45 @@ def test_two_ranks_read_their_shares_of_one_stream(both, tmp_path):
         assert result["train"][f"val_acc_{k}"] == pytest.approx(one[f"val_acc_{k}"], abs=0.01)
     logs = [p.read_text(errors="replace") for p in (tmp_path / "run" / "jobs").glob("*_1_log.err")]
     assert any("train (rank 1/2)" in log for log in logs), "rank 1 trained in a process of its own"
+
+
+def test_a_searchs_trials_share_one_capture_pass_per_epoch(both, tmp_path):
+    """A 3-trial layer search with train.states=stream: the three trainings read one capture service of the union's
+    layers at once, each its own columns. The service's log counts one pass per epoch (the FAST run's 16 steps of 8
+    are 1 1/3 epochs of the 96 train sequences), not three, and the baseline trial's draft equals the draft trained
+    offline at the same layers, bit for bit (HF's capture in float32)."""
+    import optuna
+    from test_search import TRIAL, compose_search
+
+    from orchestrator import search
+
+    name = "shared"
+    streamed = ("train.states=stream", "train.stream.buffer_bytes=600000")
+    runs = ("search.n_trials=3", "search.n_jobs=3", "search/pruner=none", f"search.study_name={name}")
+    raw = compose_search(tmp_path, *TRIAL, *streamed, *runs)
+    assert search.main(raw) == 0
+    folder = tmp_path / "search" / name
+    log = (folder / "stream" / "service.log").read_text()
+    assert re.findall(r"epoch (\d+): captured (\d+) sequences, replayed 0", log) == [("0", "96"), ("1", "32")], log
+    assert log.count("[stream] capturing") == 1, log
+    study = optuna.load_study(study_name=name, storage=f"sqlite:///{folder / 'optuna.db'}")
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) == 3 and len({tuple(t.user_attrs["aux_layers"]) for t in complete}) == 3
+    offline_cfg, offline, _ = both["offline"]
+    compared = 0
+    for t in complete:
+        summary = json.loads((folder / "trials" / f"{t.number:04d}" / "summary.json").read_text())
+        report = summary["stages"]["train"]["stream"]
+        assert report["captured_sequences"] == 128 and 0 < report["peak_spool_bytes"] <= 600_000, report
+        if t.user_attrs["aux_layers"] == list(offline_cfg.aux_layers):
+            plan = json.loads((folder / "trials" / f"{t.number:04d}" / "plan.json").read_text())
+            draft = next(s["output"] for s in plan["stages"] if s["stage"] == "train")
+            ours, theirs = load_file(f"{draft}/draft/model.safetensors"), _draft(offline)
+            assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+            compared += 1
+    assert compared == 1, "the baseline point is one of the trials"
+    assert not list((folder / "stream" / "consumers").iterdir()), "every trial left the group when it ended"
+    experiment = search.split(raw)[1]
+    experiment["train"]["states"] = "offline"
+    with pytest.raises(ConfigError, match="train.stream.join=.* with train.states=offline"):
+        search.point_config(experiment, [1, 4, 6], [1, 4, 6], join=tmp_path)

@@ -198,6 +198,9 @@ class StreamConfig:
     stall_timeout_s: float = MISSING
     # the first epoch's states kept for the later epochs, up to this many bytes; 0: every epoch captures again
     replay_bytes: int = MISSING
+    # the spool of a capture service already running (a layer search starts one for its trials at once): this
+    # training reads from it as one of its consumers instead of starting its own; null: start one
+    join: Optional[str] = MISSING
     # estimates for the dry run's link rates (null: not priced): samples/s one trainer GPU consumes, and samples/s the
     # capture service produces
     train_samples_per_s: Optional[float] = MISSING

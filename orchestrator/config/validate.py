@@ -86,6 +86,11 @@ def check_stream(cfg: RootConfig) -> None:
     if t.states not in ("offline", "stream"):
         raise ConfigError(f"train.states={t.states!r}: expected offline or stream")
     if t.states == "offline":
+        if t.stream.join is not None:
+            raise ConfigError(
+                f"train.stream.join={t.stream.join!r} with train.states=offline: joining a capture service streams "
+                "the states; set train.states=stream, or train.stream.join=null"
+            )
         return
     if one_pass(cfg):
         raise ConfigError(

@@ -20,6 +20,12 @@ split's token ids alone, and training starts a capture service beside it:
   changed, or the trainer's pid is dead) or when the trainer writes `stop`.
 - Resume: the trainer's checkpoint holds its step, the consumed-sample cursor; a resumed trainer starts a fresh
   service at that step, with the spool emptied first.
+- Shared: a layer search's trials train at once from one service (`StreamSpec.shared`, `train.stream.join`). The
+  search registers each trial as a consumer (`register`); each trial's rank 0 declares the step it starts at and
+  its last (`declare`); the service starts once every registered consumer has declared, at the earliest step, and
+  captures the union of the trials' layers, each trial reading its own columns. A file is deleted once every
+  consumer has read it (`reads/<consumer>/<position>`, `_collect`) or has ended (`unregister`): N trials cost one
+  capture pass per epoch, and the slowest trial sets the pace.
 
 The transport is a folder (node-local disk or /dev/shm on one node; a shared file system across nodes): the file
 connector's way, which vLLM's hidden-states extractor also writes. The design follows SpecForge's and speculators'
@@ -29,9 +35,11 @@ online training, where the trainer reads a `StateSource` and never knows whether
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -52,6 +60,8 @@ REPLAY = "replay"
 STATUS = "service.json"
 STOP = "stop"
 LOG = "service.log"
+CONSUMERS = "consumers"
+READS = "reads"
 HEARTBEAT_S = 2.0
 POLL_S = 0.02
 
@@ -73,6 +83,8 @@ class StreamSpec:
     buffer_bytes: int
     trainer_pid: int
     replay_bytes: int = 0
+    # several trainers (a layer search's trials) read this service: the steps are theirs (`declare`), not the spec's
+    shared: bool = False
 
 
 # ---- the service ---------------------------------------------------------------------------------------------
@@ -86,6 +98,7 @@ class _Status:
         self.path, self.lock = spool / STATUS, threading.Lock()
         self.values: dict[str, Any] = {
             "pid": os.getpid(),
+            "host": socket.gethostname(),
             "state": "loading",
             "position": 0,
             "sequences": 0,
@@ -122,10 +135,16 @@ class _Status:
 def _trainer_alive(spec: StreamSpec, parent: int) -> bool:
     if os.getppid() != parent:  # the trainer that started us died (we were handed to init)
         return False
+    return _pid_alive(spec.trainer_pid)
+
+
+def _pid_alive(pid: int) -> bool:
     try:
-        os.kill(spec.trainer_pid, 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
+    except PermissionError:  # another user's process: alive
+        return True
     return True
 
 
@@ -175,11 +194,20 @@ def _capture(spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens
 
     cfg = spec.cfg
     replay = _Replay(spool / REPLAY, spec.replay_bytes)
+    start, total = spec.start_step, spec.total_steps
+    if spec.shared:
+        steps = _declared_steps(spool, spec, parent, status)
+        if steps is None:
+            status.update(state="stopped")
+            return 3
+        start, total = steps
     status.update(state="capturing", replay_bytes_used=replay.used, replayed_sequences=0)
-    steps = f"{spec.start_step}..{spec.total_steps}"
-    print(f"[stream] capturing {len(tokens)} sequences' states, steps {steps}", flush=True)
+    print(f"[stream] capturing {len(tokens)} sequences' states, steps {start}..{total}", flush=True)
     batch, per_forward = cfg.train.batch_size, cfg.extract.batch_size
-    for step in range(spec.start_step, spec.total_steps):
+    per_epoch = math.ceil(len(tokens) / batch)
+    passes = _Passes(per_epoch)
+    for step in range(start, total):
+        passes.at(step, status)
         order = step_indices(len(tokens), batch, cfg.train.seed, step)
         for first in range(0, len(order), per_forward):
             chunk = order[first : first + per_forward]
@@ -206,9 +234,30 @@ def _capture(spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens
                 with atomic_path(spool / f"{position:012d}-{index:09d}.safetensors") as tmp:
                     save_file(tensors, str(tmp))
                 status.update(position=position + 1)
+    passes.end(status)
     status.update(state="done")
     print(f"[stream] done: {status.values['sequences']} sequences, {status.values['tokens']} tokens")
     return 0
+
+
+class _Passes:
+    """One line in the service's log per epoch it streamed: the sequences it captured and those it replayed, so a
+    log says how many capture passes a training (or a search's trials together) cost."""
+
+    def __init__(self, per_epoch: int):
+        self.per_epoch, self.epoch, self.mark = per_epoch, None, (0, 0)
+
+    def at(self, step: int, status: _Status) -> None:
+        if self.epoch != step // self.per_epoch:
+            self.end(status)
+            self.epoch = step // self.per_epoch
+
+    def end(self, status: _Status) -> None:
+        counts = (status.values["sequences"], status.values["replayed_sequences"])
+        if self.epoch is not None:
+            captured, replayed = (now - then for now, then in zip(counts, self.mark))
+            print(f"[stream] epoch {self.epoch}: captured {captured} sequences, replayed {replayed}", flush=True)
+        self.mark = counts
 
 
 class _Replay:
@@ -242,12 +291,87 @@ def _wait_for_room(spool: Path, spec: StreamSpec, parent: int, status: _Status, 
     while True:
         if (spool / STOP).exists() or not _trainer_alive(spec, parent):
             return False
+        if spec.shared and not _collect(spool, spec.cfg.train.batch_size):
+            print("[stream] every consumer has ended: stopping", flush=True)
+            return False
         used = spool_bytes(spool)
         if used == 0 or used + size <= spec.buffer_bytes:
             status.add(blocked_s=time.time() - began)
             status.update(peak_spool_bytes=max(status.values["peak_spool_bytes"], used + size))
             return True
         time.sleep(POLL_S)
+
+
+# ---- consumers of a shared service (a layer search's trials) ---------------------------------------------------
+
+
+def register(spool: Path, consumer: str) -> None:
+    """`consumer` will read every file from the step it declares on: none is deleted before it has read it."""
+    folder = Path(spool) / CONSUMERS
+    folder.mkdir(parents=True, exist_ok=True)
+    with atomic_path(folder / f"{consumer}.json") as tmp:
+        tmp.write_text(json.dumps({"steps": None}))
+
+
+def declare(spool: Path, consumer: str, start_step: int, total_steps: int) -> None:
+    """The registered `consumer`'s steps: it reads the positions of steps `start_step`..`total_steps`."""
+    path = Path(spool) / CONSUMERS / f"{consumer}.json"
+    if not path.exists():
+        raise StreamError(f"train.stream.join={spool}: no consumer {consumer!r} is registered with that service")
+    (Path(spool) / READS / consumer).mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps({"steps": [start_step, total_steps]}))
+
+
+def unregister(spool: Path, consumer: str) -> None:
+    """`consumer` has ended (done, pruned or failed): the files it has not read are no longer kept for it."""
+    (Path(spool) / CONSUMERS / f"{consumer}.json").unlink(missing_ok=True)
+    shutil.rmtree(Path(spool) / READS / consumer, ignore_errors=True)
+
+
+def consumers(spool: Path) -> dict[str, list[int] | None]:
+    found = {}
+    for path in sorted((Path(spool) / CONSUMERS).glob("*.json")):
+        try:
+            found[path.stem] = json.loads(path.read_text())["steps"]
+        except FileNotFoundError:  # unregistered meanwhile
+            pass
+    return found
+
+
+def _declared_steps(spool: Path, spec: StreamSpec, parent: int, status: _Status) -> tuple[int, int] | None:
+    """The steps a shared service streams: from the earliest consumer's first to the last one's end, once every
+    registered consumer has declared; None when stopped first or no consumer is left."""
+    status.update(state="waiting for consumers")
+    while not (spool / STOP).exists() and _trainer_alive(spec, parent):
+        declared = consumers(spool)
+        if not declared:
+            return None
+        if all(steps is not None for steps in declared.values()):
+            return min(s[0] for s in declared.values()), max(s[1] for s in declared.values())
+        time.sleep(POLL_S * 5)
+    return None
+
+
+def _collect(spool: Path, batch: int) -> bool:
+    """Deletes the files every consumer has read (or starts past); False when no consumer is left."""
+    declared = consumers(spool)
+    if not declared:
+        return False
+    if any(steps is None for steps in declared.values()):  # registered late: it may need any file
+        return True
+    for entry in os.scandir(spool):
+        if not entry.name.endswith(".safetensors"):
+            continue
+        position = entry.name.split("-")[0]  # the name a consumer's mark takes
+        if all(
+            int(position) < steps[0] * batch or (spool / READS / name / position).exists()
+            for name, steps in declared.items()
+        ):
+            Path(entry.path).unlink(missing_ok=True)
+            for name in declared:
+                (spool / READS / name / position).unlink(missing_ok=True)
+    return True
 
 
 # ---- the trainer's side ----------------------------------------------------------------------------------------
@@ -264,12 +388,16 @@ class CaptureService:
     def log(self) -> Path:
         return self.spool / LOG
 
-    def start(self) -> CaptureService:
+    def start(self, consumers: Iterable[str] = ()) -> CaptureService:
+        """Starts the service on an emptied spool; a shared one (`StreamSpec.shared`) with its `consumers`
+        registered first."""
         self.spool.mkdir(parents=True, exist_ok=True)
         for entry in self.spool.iterdir():  # an earlier run's: a resumed trainer asks from its cursor on
             if entry.name == REPLAY and self.spec.replay_bytes:  # whole files of the first epoch, kept
                 continue
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        for name in consumers:
+            register(self.spool, name)
         (self.spool / SPEC).write_bytes(pickle.dumps(self.spec))
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
@@ -311,9 +439,14 @@ class StreamedSplit:
         columns: torch.Tensor | None,
         stall_timeout_s: float,
         service: CaptureService | None = None,
+        consumer: str | None = None,
+        start_position: int = 0,
     ):
         self.spool, self.size, self.columns = Path(spool), size, columns
         self.stall_timeout_s, self.service = stall_timeout_s, service
+        # a shared service's consumer marks what it read (the service deletes a file all its consumers read);
+        # a trainer with a service of its own deletes each file as it reads it
+        self.consumer, self.start_position = consumer, start_position
         self.wait_s, self.opened = 0.0, time.time()
 
     def __len__(self) -> int:
@@ -330,9 +463,14 @@ class StreamedSplit:
         began = time.time()
         while True:
             found = sorted(self.spool.glob(f"*-{index:09d}.safetensors"))
+            if self.consumer is not None:  # another consumer's, or one this consumer read in an earlier epoch
+                found = [f for f in found if self._unread(f)]
             if found:  # the earliest position: a later one is the same sequence in a later epoch
                 tensors = load_file(str(found[0]))
-                found[0].unlink()
+                if self.consumer is None:
+                    found[0].unlink()
+                else:
+                    (self.spool / READS / self.consumer / found[0].name.split("-")[0]).touch()
                 self.wait_s += time.time() - began
                 aux = tensors["aux_hidden_states"]
                 return SequenceStates(
@@ -344,6 +482,10 @@ class StreamedSplit:
             self._check_alive(index)
             time.sleep(POLL_S)
 
+    def _unread(self, path: Path) -> bool:
+        position = path.name.split("-")[0]
+        return int(position) >= self.start_position and not (self.spool / READS / self.consumer / position).exists()
+
     def _check_alive(self, index: int) -> None:
         log = self.service.log if self.service else self.spool / LOG
         proc = self.service.proc if self.service else None
@@ -353,6 +495,11 @@ class StreamedSplit:
                 f"was streamed; its log: {log}\n{_tail(log)}"
             )
         status = read_status(self.spool)
+        if status and proc is None and status.get("host") == socket.gethostname() and not _pid_alive(status["pid"]):
+            raise StreamError(
+                f"the capture service (pid {status['pid']}) has exited before sequence {index} was streamed; "
+                f"its log: {log}\n{_tail(log)}"
+            )
         beat = status["heartbeat"] if status else self.opened
         if time.time() - beat > self.stall_timeout_s:
             raise StreamError(
@@ -390,8 +537,18 @@ def open_stream(cfg, plan, manifest: dict[str, Any], layers: list[int], compute,
     share from the spool once rank 0 has started it."""
     from orchestrator.states.shards import load_split
 
-    spool = Path(cfg.train.stream.spool or Path(plan.dir("train")) / "stream")
+    st = cfg.train.stream
     size = len(load_split(plan.dir("extract"), manifest, "train", verify=False, tokens_only=True))
+    columns = layer_columns(manifest, layers)
+    if st.join is not None:  # a service the layer search runs for its trials: this run is one of its consumers
+        spool, consumer = Path(st.join), Path(plan.run_dir).name
+        if compute.is_main:
+            _check_joinable(spool, cfg, plan)
+            declare(spool, consumer, start_step, total)
+        compute.barrier()
+        start = start_step * cfg.train.batch_size
+        return StreamedSplit(spool, size, columns, st.stall_timeout_s, consumer=consumer, start_position=start)
+    spool = Path(st.spool or Path(plan.dir("train")) / "stream")
     service = None
     if compute.is_main:
         st = cfg.train.stream
@@ -401,7 +558,24 @@ def open_stream(cfg, plan, manifest: dict[str, Any], layers: list[int], compute,
         )  # fmt: skip
         service = CaptureService(spool, spec).start()
     compute.barrier()
-    return StreamedSplit(spool, size, layer_columns(manifest, layers), cfg.train.stream.stall_timeout_s, service)
+    return StreamedSplit(spool, size, columns, st.stall_timeout_s, service)
+
+
+def _check_joinable(spool: Path, cfg, plan) -> None:
+    """A joined service streams this run's extraction in this run's order, or the draft would learn other batches."""
+    try:
+        spec: StreamSpec = pickle.loads((spool / SPEC).read_bytes())
+    except FileNotFoundError:
+        raise StreamError(f"train.stream.join={spool}: no capture service was started there ({SPEC} is missing)")
+    theirs, ours = spec.cfg.train, cfg.train
+    differ = [k for k in ("batch_size", "seed") if getattr(theirs, k) != getattr(ours, k)]
+    if Path(spec.extract_dir) != Path(plan.dir("extract")):
+        differ.append(f"the extraction ({spec.extract_dir}, not {plan.dir('extract')})")
+    if differ:
+        raise StreamError(
+            f"train.stream.join={spool}: the service streams another order than this run reads; it differs in "
+            + ", ".join(f"train.{k}" if " " not in k else k for k in differ)
+        )
 
 
 if __name__ == "__main__":
