@@ -516,3 +516,17 @@ def test_an_unexpected_error_starts_no_further_trial(tmp_path, monkeypatch):
         study.run()
     assert len(calls) == 1, calls
     assert [t.state for t in _study(tmp_path, "bug").trials] == [optuna.trial.TrialState.FAIL]
+
+
+@pytest.mark.parametrize(
+    "cluster,line",
+    [
+        ("cluster=local", "3 capture passes per epoch for 7 trials, not 7"),
+        ("cluster=slurm", "each trial's training starts its own capture service: 7 capture passes per epoch"),
+    ],
+)
+def test_the_dry_run_says_how_many_capture_passes_streamed_trials_cost(tmp_path, capsys, cluster, line):
+    raw = compose_search(tmp_path, *TRIAL[:1], cluster, "train.states=stream", "search.n_trials=7", "search.n_jobs=3",
+                         "dry_run=true")  # fmt: skip
+    assert search.main(raw) == 0
+    assert line in capsys.readouterr().out

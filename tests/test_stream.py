@@ -335,3 +335,43 @@ def test_a_searchs_trials_share_one_capture_pass_per_epoch(both, tmp_path):
     experiment["train"]["states"] = "offline"
     with pytest.raises(ConfigError, match="train.stream.join=.* with train.states=offline"):
         search.point_config(experiment, [1, 4, 6], [1, 4, 6], join=tmp_path)
+
+
+def test_a_shared_service_keeps_each_file_until_every_consumer_read_it_and_its_death_is_seen_at_once(both, tmp_path):
+    """Two consumers of one shared service, the second resumed at step 1, with room for one file at a time: each
+    file of step 1 waits for both, both read the same states, a file before a consumer's start is not kept for it,
+    and once the service is killed (and reaped, as the search's driver does) a waiting consumer fails at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from orchestrator.states.source import step_indices
+
+    cfg, plan, _ = both["stream"]
+    spool = tmp_path / "spool"
+    spec = stream.StreamSpec(cfg, str(plan.dir("extract")), plan.target_dir, 0, 0, 1, os.getpid(), shared=True)
+    service = stream.CaptureService(spool, spec).start(consumers=["a", "b"])
+    try:
+        stream.declare(spool, "a", 0, 3)
+        stream.declare(spool, "b", 1, 3)
+        a = stream.StreamedSplit(spool, 96, None, 60, consumer="a")
+        b = stream.StreamedSplit(spool, 96, None, 60, consumer="b", start_position=cfg.train.batch_size)
+        steps = [step_indices(96, cfg.train.batch_size, cfg.train.seed, step) for step in range(3)]
+        with ThreadPoolExecutor(2) as pool:
+            ours, theirs = pool.submit(a.take, steps[0] + steps[1]), pool.submit(b.take, steps[1])
+            ours, theirs = ours.result(timeout=120), theirs.result(timeout=120)
+        for x, y in zip(ours[len(steps[0]) :], theirs):
+            assert torch.equal(x.aux, y.aux) and torch.equal(x.input_ids, y.input_ids)
+        status = stream.read_status(spool)
+        # one file at a time: the next is written once the last was read by every consumer that needs it (what a
+        # sequence holds in memory is no less than its file: ids as int64, the mask as bool)
+        largest = max(
+            sum(t.numel() * t.element_size() for t in (s.input_ids, s.loss_mask, s.aux, s.teacher)) for s in ours
+        )
+        assert status["position"] >= 2 * cfg.train.batch_size and status["peak_spool_bytes"] <= largest, status
+        service.proc.kill()
+        service.proc.wait()
+        began = time.monotonic()
+        with pytest.raises(stream.StreamError, match="has exited .* its log: .*service.log"):
+            a.take(steps[2][1:])
+        assert time.monotonic() - began < 5
+    finally:
+        service.stop()
