@@ -81,6 +81,9 @@ def stream_cost(cfg: RootConfig) -> dict[str, Any] | None:
         "recapture": {"capture_passes": epochs, "bytes_kept": 0},
         "replay": {"capture_passes": min(epochs, 1.0) + later * (1 - kept / epoch_bytes), "bytes_kept": kept},
         "buffer_bytes": st.buffer_bytes,
+        # where the service runs: a Slurm job of its own with the extraction's resources, or beside rank 0
+        "service_job": cfg.cluster.kind == "slurm" and st.join is None,
+        "service_resources": {k: getattr(cfg.extract.resources, k) for k in ("nodes", "gpus_per_node")},
     }
     trainers = t.resources.nodes * max(t.resources.gpus_per_node, 1)
     sample_bytes = cfg.data.max_seq_len * per_token  # a sample at most

@@ -8,6 +8,7 @@ executes a plan.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import json
 import shlex
@@ -31,6 +32,7 @@ from orchestrator.config import (
 )
 from orchestrator.data import data_identity
 from orchestrator.estimates import extract_storage, storage_terms, stream_cost
+from orchestrator.states import stream as stream_mod
 from orchestrator.targets import target_dir, weights_fingerprint
 
 # The stages whose output is a pure function of their key: kept under outputs/cache/<stage>/<key> and reused by every
@@ -391,10 +393,18 @@ def print_stream_cost(st: dict[str, Any], resources: dict[str, Any]) -> None:
         print("  link (train.stream.*_samples_per_s x data.max_seq_len tokens a sample): " + "; ".join(rates))
     else:
         print("  link: not priced (set train.stream.train_samples_per_s and train.stream.capture_samples_per_s)")
-    print(
-        f"  capture service: beside rank 0 of the train job, on its node's devices ({resources['gpus_per_node']} "
-        "GPU(s)); a Slurm job of its own is not built yet"
-    )
+    if st["service_job"]:
+        r = st["service_resources"]
+        print(
+            f"  capture service: a Slurm job of its own after extract, with extract.resources ({r['nodes']} node(s) x "
+            f"{r['gpus_per_node']} GPU(s)); the train job ({resources['nodes']} node(s) x "
+            f"{resources['gpus_per_node']} GPU(s)) starts once it has started (--dependency=after:)"
+        )
+    else:
+        print(
+            f"  capture service: beside rank 0 of the train job, on its node's devices ({resources['gpus_per_node']} "
+            "GPU(s))"
+        )
 
 
 def print_mask_preview(cfg: RootConfig, target: Path) -> None:
@@ -524,6 +534,11 @@ def run_pipeline(
                     dependency = in_flight
                     continue
                 submitted = time.time()
+                stage_cfg, after_start = cfg, None
+                if stage == "train" and own_stream_job(cfg):  # the capture service as a Slurm job of its own
+                    service, stage_cfg = _submit_stream_service(cfg, plan, jobs, dependency)
+                    jobs.append(("stream", service))
+                    after_start = [service.job_id]
                 job = _submit_or_cancel(
                     stage,
                     jobs,
@@ -535,13 +550,17 @@ def run_pipeline(
                     entry["resources"]["tasks_per_node"],
                     run_stage,
                     stage,
-                    cfg,
+                    stage_cfg,
                     plan,
                     tracker.run_id,
                     entry is todo[-1],
                     dependency=[dependency] if dependency else None,
+                    after_start=after_start,
                 )
                 finalizer = job if entry is todo[-1] else finalizer
+                if after_start:  # the service watches the job that will read from it
+                    stream_mod.note_job(Path(stage_cfg.train.stream.join), Path(plan.run_dir).name,
+                                        Path(plan.run_dir) / "jobs", job.job_id)  # fmt: skip
                 jobs.append((stage, job))
                 print(f"[{stage}] submitted job {job.job_id} ({cfg.cluster.kind})")
                 if not blocking:
@@ -576,6 +595,56 @@ def run_pipeline(
     return summary
 
 
+def own_stream_job(cfg: RootConfig) -> bool:
+    """Whether training's capture service runs as a Slurm job of its own (train.states=stream on Slurm, unless the
+    training joins a service already running): the target's capture needs nodes of its own, as large as the
+    extraction's (`extract.resources`), which the training's nodes are not."""
+    return cfg.cluster.kind == "slurm" and cfg.train.states == "stream" and cfg.train.stream.join is None
+
+
+def _submit_stream_service(cfg: RootConfig, plan: Plan, jobs: list, dependency: str | None):
+    """The capture service as a job with the extraction's resources, after the extraction (it reads the token ids),
+    and the training's config joining it (`train.stream.join`) as its one registered consumer. The training job
+    waits for it to start (`--dependency=after:`), so that its GPUs never idle in the queue while the service's
+    wait; the two are dependent jobs, not one heterogeneous job, because submitit submits one job per call, and a
+    chain of dependent jobs is what the rest of the pipeline is. The service stops when its consumer unregisters,
+    or gives no heartbeat for train.stream.stall_timeout_s (a trainer killed or cancelled)."""
+    spool = Path(cfg.train.stream.spool or plan.dir("train") / "stream")
+    st = cfg.train.stream
+    spec = stream_mod.StreamSpec(
+        cfg, str(plan.dir("extract")), plan.target_dir, 0, 0, st.buffer_bytes, None, st.replay_bytes, shared=True
+    )
+    stream_mod.prepare(spool, spec, consumers=[Path(plan.run_dir).name])
+    ex = runner.executor(
+        cfg.cluster,
+        Path(plan.run_dir) / "jobs",
+        f"{cfg.run_name}-stream",
+        cfg.extract.resources,
+        1,
+        [dependency] if dependency else None,
+    )
+    try:
+        service = ex.submit(stream_mod.serve_job, str(spool))
+    except Exception as exc:
+        _cancel_queued(jobs)
+        raise runner.SubmissionFailed(f"submitting the capture service failed: {exc}") from exc
+    print(f"[stream] submitted the capture service as job {service.job_id} ({spool}); train starts once it has")
+    joined = copy.deepcopy(cfg)
+    joined.train.stream.join = str(spool)
+    return service, joined
+
+
+def _cancel_queued(jobs: list[tuple[str, Any]]) -> list[str]:
+    cancelled = []
+    for queued, job in jobs:
+        try:
+            job.cancel(check=False)
+            cancelled.append(f"{queued} (job {job.job_id})")
+        except Exception as cancel_exc:  # say so, and go on cancelling the others
+            print(f"[{queued}] could not cancel job {job.job_id}: {cancel_exc}")
+    return cancelled
+
+
 def _submit_or_cancel(stage: str, jobs: list[tuple[str, Any]], blocking: bool, *args, **kwargs):
     """`runner.submit`; when the cluster rejects it, this run's jobs queued before it are cancelled (and named):
     without this stage they would wait for nothing, or run for a chain that cannot finish."""
@@ -584,13 +653,7 @@ def _submit_or_cancel(stage: str, jobs: list[tuple[str, Any]], blocking: bool, *
     except Exception as exc:
         if blocking or not jobs:
             raise
-        cancelled = []
-        for queued, job in jobs:
-            try:
-                job.cancel(check=False)
-                cancelled.append(f"{queued} (job {job.job_id})")
-            except Exception as cancel_exc:  # say so, and go on cancelling the others
-                print(f"[{queued}] could not cancel job {job.job_id}: {cancel_exc}")
+        cancelled = _cancel_queued(jobs)
         raise runner.SubmissionFailed(
             f"submitting stage {stage} failed: {exc}\n"
             f"cancelled this run's jobs queued before it: {', '.join(cancelled) or 'none'}"

@@ -34,9 +34,11 @@ def executor(
     resources: Resources,
     tasks_per_node: int = 1,
     dependency: list[str] | None = None,
+    after_start: list[str] | None = None,
 ):
     """submitit's executor for one stage job: `tasks_per_node` processes on each of `resources.nodes` nodes (one
-    torch.distributed rank each, see `StageJob`)."""
+    torch.distributed rank each, see `StageJob`). On Slurm the job starts once the `dependency` jobs have completed
+    and the `after_start` jobs have started."""
     folder = Path(folder)
     if cluster.kind == "debug":
         if tasks_per_node * resources.nodes > 1:
@@ -54,14 +56,19 @@ def executor(
         )
     elif cluster.kind == "slurm":
         ex = submitit.SlurmExecutor(folder=folder)
-        ex.update_parameters(**slurm_parameters(cluster, name, resources, tasks_per_node, dependency))
+        ex.update_parameters(**slurm_parameters(cluster, name, resources, tasks_per_node, dependency, after_start))
     else:
         raise ValueError(f"cluster.kind={cluster.kind!r}: expected local, debug or slurm")
     return ex
 
 
 def slurm_parameters(
-    cluster: ClusterConfig, name: str, resources: Resources, tasks_per_node: int, dependency: list[str] | None
+    cluster: ClusterConfig,
+    name: str,
+    resources: Resources,
+    tasks_per_node: int,
+    dependency: list[str] | None,
+    after_start: list[str] | None = None,
 ) -> dict[str, Any]:
     params: dict[str, Any] = {
         "job_name": name,
@@ -82,10 +89,15 @@ def slurm_parameters(
     # One task that exits with an error ends the job's other tasks: a rank left waiting for a dead peer holds the
     # GPUs until the time limit otherwise.
     params["srun_args"] = ["--kill-on-bad-exit=1"]
+    rules = []
     if dependency:
         # A failed upstream job cancels its dependents instead of leaving them pending forever.
-        params["dependency"] = "afterok:" + ":".join(dependency)
+        rules.append("afterok:" + ":".join(dependency))
         params["additional_parameters"] = {"kill_on_invalid_dep": "yes"}
+    if after_start:  # sbatch(1): "after:job_id" begins once the job has started; "," joins rules that all must hold
+        rules.append("after:" + ":".join(after_start))
+    if rules:
+        params["dependency"] = ",".join(rules)
     return params
 
 
@@ -114,9 +126,16 @@ class StageJob(submitit.helpers.Checkpointable):
 
 
 def submit(
-    cluster: ClusterConfig, folder: Path, name: str, resources: Resources, tasks_per_node: int, *args, dependency=None
+    cluster: ClusterConfig,
+    folder: Path,
+    name: str,
+    resources: Resources,
+    tasks_per_node: int,
+    *args,
+    dependency=None,
+    after_start=None,
 ):
-    return executor(cluster, folder, name, resources, tasks_per_node, dependency).submit(StageJob(), *args)
+    return executor(cluster, folder, name, resources, tasks_per_node, dependency, after_start).submit(StageJob(), *args)
 
 
 def job_state(cluster: ClusterConfig, folder: Path, job_id: str) -> str:

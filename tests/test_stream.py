@@ -92,6 +92,13 @@ def test_stream_config_is_checked_before_any_job(tiny_config):
         tiny_config("train.states=stream", "extract.engine=vllm", "data.regenerate.engine=one_pass")
     with pytest.raises(ConfigError, match="train.stream.buffer_bytes=0"):
         tiny_config("train.states=stream", "train.stream.buffer_bytes=0")
+    # a plan in which one side would idle most of the time, at the estimated rates, names the keys that change it
+    rates = ("train.states=stream", "train.stream.train_samples_per_s=1")
+    with pytest.raises(ConfigError, match=r"trainers would wait for states 70% .*train.resources.nodes"):
+        tiny_config(*rates, "train.stream.capture_samples_per_s=0.3")
+    with pytest.raises(ConfigError, match=r"capture service would wait on a full buffer 75% .*extract.resources"):
+        tiny_config(*rates, "train.stream.capture_samples_per_s=4")
+    tiny_config(*rates, "train.stream.capture_samples_per_s=1.5")  # a third of the time: allowed
 
 
 def _start_training(cfg, plan, folder: Path, name: str) -> tuple[subprocess.Popen, object]:
@@ -236,6 +243,10 @@ def test_the_kimi_dry_run_prices_the_stream(tmp_path):
     trainers, capture = 0.37 * 8 * 8192 * 57_344, 3.0 * 8192 * 57_344
     assert f"the trainers consume up to {trainers / 1e9:,.2f} GB/s" in proc.stdout
     assert f"the capture service produces up to {capture / 1e9:,.2f} GB/s" in proc.stdout
+    assert (
+        "capture service: a Slurm job of its own after extract, with extract.resources (1 node(s) x 8 GPU(s)); the "
+        "train job (1 node(s) x 8 GPU(s)) starts once it has started (--dependency=after:)" in proc.stdout
+    )
     assert not list(tmp_path.rglob("jobs")), "a dry run submits nothing"
 
 

@@ -106,6 +106,38 @@ def check_stream(cfg: RootConfig) -> None:
         raise ConfigError(f"train.stream.replay_bytes={t.stream.replay_bytes}: expected >= 0 (0: every epoch captures)")
     if t.stream.stall_timeout_s <= 0:
         raise ConfigError(f"train.stream.stall_timeout_s={t.stream.stall_timeout_s}: expected > 0")
+    check_stream_balance(cfg)
+
+
+# A plan whose trainers or capture service would wait more than half the time is refused: one side's GPUs idle.
+IDLE_LIMIT = 0.5
+
+
+def check_stream_balance(cfg: RootConfig) -> None:
+    """With both rates estimated (train.stream.train_samples_per_s per trainer GPU, capture_samples_per_s for the
+    service), the side that would idle most of the time, named with the keys that change it."""
+    t, st = cfg.train, cfg.train.stream
+    if st.train_samples_per_s is None or st.capture_samples_per_s is None:
+        return
+    gpus = t.resources.nodes * max(t.resources.gpus_per_node, 1)
+    consume, produce = st.train_samples_per_s * gpus, st.capture_samples_per_s
+    rates = (
+        f"the trainers consume {consume:g} samples/s (train.stream.train_samples_per_s={st.train_samples_per_s:g} x "
+        f"{gpus} GPU(s) of train.resources), the capture service produces {produce:g} "
+        f"(train.stream.capture_samples_per_s)"
+    )
+    if produce < consume * (1 - IDLE_LIMIT):
+        raise ConfigError(
+            f"train.states=stream: the trainers would wait for states {1 - produce / consume:.0%} of the time: "
+            f"{rates}; train on fewer GPUs (train.resources.nodes / gpus_per_node), or give the service more "
+            "(extract.resources, and its rate in train.stream.capture_samples_per_s)"
+        )
+    if consume < produce * (1 - IDLE_LIMIT):
+        raise ConfigError(
+            f"train.states=stream: the capture service would wait on a full buffer {1 - consume / produce:.0%} of "
+            f"the time: {rates}; train on more GPUs (train.resources.nodes / gpus_per_node), or give the service "
+            "fewer (extract.resources)"
+        )
 
 
 def validate(cfg: RootConfig) -> None:

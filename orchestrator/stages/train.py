@@ -27,10 +27,10 @@ from orchestrator.draft import export as draft_export
 from orchestrator.draft import rope as draft_rope
 from orchestrator.draft.model import Eagle3Draft, default_shape
 from orchestrator.results import TrainResult
+from orchestrator.states import stream
 from orchestrator.states.manifest import load_manifest_checked
 from orchestrator.states.shards import SequenceStates, load_split, verify_shards
 from orchestrator.states.source import StateSource, step_indices
-from orchestrator.states.stream import open_stream
 from orchestrator.states.teacher import TeacherHead
 from orchestrator.targets import load_head_tensors, target_config_json, tokenizer_hash
 
@@ -291,6 +291,15 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> TrainResult | None:
     """Trains on every rank of the job (DDP: one process per GPU, or gloo processes on CPUs). Each global batch
     is the same whatever the number of ranks, split between them; rank 0 alone writes checkpoints, the export,
     metrics and the manifest."""
+    try:
+        return _run(cfg, plan, tracker, compute)
+    except Exception:
+        if cfg.train.stream.join is not None and compute.is_main:  # the service it joined stops waiting for it
+            stream.unregister(Path(cfg.train.stream.join), Path(plan.run_dir).name)
+        raise
+
+
+def _run(cfg: RootConfig, plan, tracker, compute: Compute) -> TrainResult | None:
     tc = cfg.train
     if tc.threads:
         torch.set_num_threads(tc.threads)
@@ -312,7 +321,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> TrainResult | None:
     # a layer search's pruner may stop the trial (asked by rank 0 alone, its answer shared); else a no-op
     report_to_search = pruning.reporter(plan) if compute.is_main else (lambda _step, _val: None)
     if tc.states == "stream":  # a capture service computes the states from the step the loop resumes at
-        train_seqs = open_stream(cfg, plan, manifest, list(tc.layers), compute, loop.step, total)
+        train_seqs = stream.open_stream(cfg, plan, manifest, list(tc.layers), compute, loop.step, total)
     else:
         train_seqs = load_split(extract_dir, manifest, "train", list(tc.layers), verify=False)
     try:

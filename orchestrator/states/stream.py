@@ -81,7 +81,7 @@ class StreamSpec:
     start_step: int
     total_steps: int
     buffer_bytes: int
-    trainer_pid: int
+    trainer_pid: int | None  # None: the service is a job of its own, watched through its consumers' heartbeats
     replay_bytes: int = 0
     # several trainers (a layer search's trials) read this service: the steps are theirs (`declare`), not the spec's
     shared: bool = False
@@ -94,11 +94,12 @@ class _Status:
     """The service's counters, rewritten atomically with its heartbeat (a thread, so a target that takes minutes to
     load is alive meanwhile)."""
 
-    def __init__(self, spool: Path):
+    def __init__(self, spool: Path, log: Path):
         self.path, self.lock = spool / STATUS, threading.Lock()
         self.values: dict[str, Any] = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "log": str(log),
             "state": "loading",
             "position": 0,
             "sequences": 0,
@@ -133,6 +134,8 @@ class _Status:
 
 
 def _trainer_alive(spec: StreamSpec, parent: int) -> bool:
+    if spec.trainer_pid is None:  # a job of its own (Slurm): its consumers' heartbeats tell (`_live_consumers`)
+        return True
     if os.getppid() != parent:  # the trainer that started us died (we were handed to init)
         return False
     return _pid_alive(spec.trainer_pid)
@@ -159,9 +162,10 @@ def spool_bytes(spool: Path) -> int:
     return total
 
 
-def serve(spool: Path) -> int:
+def serve(spool: Path, log: Path | None = None) -> int:
     """The service's main: the train split's states, in the trainer's order, into the spool. Returns 0 when every
-    step's states are written, 3 when the trainer is gone or asked it to stop."""
+    step's states are written, 3 when the trainer is gone or asked it to stop. `log`: where its output goes, for
+    the consumers' errors (default: `service.log` in the spool, where `CaptureService` sends it)."""
     from orchestrator import compute as compute_mod
     from orchestrator import engines
     from orchestrator.states.manifest import load_manifest_checked
@@ -170,7 +174,7 @@ def serve(spool: Path) -> int:
     spool = Path(spool)
     parent = os.getppid()
     spec: StreamSpec = pickle.loads((spool / SPEC).read_bytes())
-    cfg, status = spec.cfg, _Status(spool)
+    cfg, status = spec.cfg, _Status(spool, log or spool / LOG)
     extract_dir = Path(spec.extract_dir)
     manifest = load_manifest_checked(extract_dir, cfg)
     tokens = load_split(extract_dir, manifest, "train", verify=False, tokens_only=True)
@@ -190,18 +194,37 @@ def serve(spool: Path) -> int:
 
 
 def _capture(spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens, capture) -> int:
+    """The trainer's steps into the spool; a shared service's steps are its consumers' (`declare`), and it starts
+    over, the spool emptied, when one declares again."""
+    replay = _Replay(spool / REPLAY, spec.replay_bytes)
+    status.update(replayed_sequences=0)
+    while True:
+        start, total, declared = spec.start_step, spec.total_steps, {}
+        if spec.shared:
+            found = _declared_steps(spool, spec, parent, status)
+            if found is None:
+                status.update(state="stopped")
+                return 3
+            declared = {name: c["declared"] for name, c in found.items()}
+            start, total = min(c["steps"][0] for c in found.values()), max(c["steps"][1] for c in found.values())
+        try:
+            return _capture_steps(spool, spec, parent, status, tokens, capture, replay, start, total, declared)
+        except _Rewind as why:
+            print(f"[stream] {why}: starting over", flush=True)
+            for entry in spool.glob("*.safetensors"):
+                entry.unlink(missing_ok=True)
+            for marks in (spool / READS).glob("*"):
+                shutil.rmtree(marks, ignore_errors=True)
+                marks.mkdir()
+
+
+def _capture_steps(
+    spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens, capture, replay, start, total, declared
+) -> int:
     from orchestrator.data import Rendered
 
     cfg = spec.cfg
-    replay = _Replay(spool / REPLAY, spec.replay_bytes)
-    start, total = spec.start_step, spec.total_steps
-    if spec.shared:
-        steps = _declared_steps(spool, spec, parent, status)
-        if steps is None:
-            status.update(state="stopped")
-            return 3
-        start, total = steps
-    status.update(state="capturing", replay_bytes_used=replay.used, replayed_sequences=0)
+    status.update(state="capturing", replay_bytes_used=replay.used)
     print(f"[stream] capturing {len(tokens)} sequences' states, steps {start}..{total}", flush=True)
     batch, per_forward = cfg.train.batch_size, cfg.extract.batch_size
     per_epoch = math.ceil(len(tokens) / batch)
@@ -228,7 +251,7 @@ def _capture(spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens
                 position = step * batch + first + offset
                 tensors = kept[index]
                 size = sum(t.numel() * t.element_size() for t in tensors.values())
-                if not _wait_for_room(spool, spec, parent, status, size):
+                if not _wait_for_room(spool, spec, parent, status, size, declared):
                     status.update(state="stopped")
                     return 3
                 with atomic_path(spool / f"{position:012d}-{index:09d}.safetensors") as tmp:
@@ -284,14 +307,16 @@ class _Replay:
         self.used += self.path(index).stat().st_size
 
 
-def _wait_for_room(spool: Path, spec: StreamSpec, parent: int, status: _Status, size: int) -> bool:
+def _wait_for_room(
+    spool: Path, spec: StreamSpec, parent: int, status: _Status, size: int, declared: dict[str, float]
+) -> bool:
     """Waits until the spool has room for `size` more bytes (an empty one always has); False when the trainer is
-    gone or asked to stop."""
+    gone or asked to stop. A shared service deletes what its consumers have read meanwhile (`_collect`)."""
     began = time.time()
     while True:
         if (spool / STOP).exists() or not _trainer_alive(spec, parent):
             return False
-        if spec.shared and not _collect(spool, spec.cfg.train.batch_size):
+        if spec.shared and not _collect(spool, spec, declared):
             print("[stream] every consumer has ended: stopping", flush=True)
             return False
         used = spool_bytes(spool)
@@ -302,7 +327,7 @@ def _wait_for_room(spool: Path, spec: StreamSpec, parent: int, status: _Status, 
         time.sleep(POLL_S)
 
 
-# ---- consumers of a shared service (a layer search's trials) ---------------------------------------------------
+# ---- consumers of a shared service (a layer search's trials; a Slurm job's trainer) ------------------------------
 
 
 def register(spool: Path, consumer: str) -> None:
@@ -310,17 +335,28 @@ def register(spool: Path, consumer: str) -> None:
     folder = Path(spool) / CONSUMERS
     folder.mkdir(parents=True, exist_ok=True)
     with atomic_path(folder / f"{consumer}.json") as tmp:
-        tmp.write_text(json.dumps({"steps": None}))
+        tmp.write_text(json.dumps({"steps": None, "declared": None}))
 
 
 def declare(spool: Path, consumer: str, start_step: int, total_steps: int) -> None:
-    """The registered `consumer`'s steps: it reads the positions of steps `start_step`..`total_steps`."""
+    """The registered `consumer`'s steps: it reads the positions of steps `start_step`..`total_steps`. Declaring
+    again (a requeued or resumed trainer) makes the service start over at the earliest declared step."""
     path = Path(spool) / CONSUMERS / f"{consumer}.json"
     if not path.exists():
         raise StreamError(f"train.stream.join={spool}: no consumer {consumer!r} is registered with that service")
     (Path(spool) / READS / consumer).mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps({"steps": [start_step, total_steps]}))
+        tmp.write_text(json.dumps({"steps": [start_step, total_steps], "declared": time.time()}))
+
+
+def note_job(spool: Path, consumer: str, folder: Path, job_id: str) -> None:
+    """The Slurm job that will read as `consumer`: a service watches it while the consumer has not declared (a job
+    cancelled in the queue, or failed before training, never will)."""
+    path = Path(spool) / CONSUMERS / f"{consumer}.json"
+    record = json.loads(path.read_text())
+    if record["steps"] is None:
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(record | {"job": [str(folder), str(job_id)]}))
 
 
 def unregister(spool: Path, consumer: str) -> None:
@@ -329,44 +365,104 @@ def unregister(spool: Path, consumer: str) -> None:
     shutil.rmtree(Path(spool) / READS / consumer, ignore_errors=True)
 
 
-def consumers(spool: Path) -> dict[str, list[int] | None]:
+def consumers(spool: Path) -> dict[str, dict[str, Any]]:
+    """The registered consumers: their steps (None until declared), when they declared them, and their heartbeat
+    (the record's modification time, which a declared consumer's `_Beat` renews)."""
     found = {}
     for path in sorted((Path(spool) / CONSUMERS).glob("*.json")):
         try:
-            found[path.stem] = json.loads(path.read_text())["steps"]
-        except FileNotFoundError:  # unregistered meanwhile
+            found[path.stem] = json.loads(path.read_text()) | {"beat": path.stat().st_mtime}
+        except (FileNotFoundError, json.JSONDecodeError):  # unregistered meanwhile
             pass
     return found
 
 
-def _declared_steps(spool: Path, spec: StreamSpec, parent: int, status: _Status) -> tuple[int, int] | None:
-    """The steps a shared service streams: from the earliest consumer's first to the last one's end, once every
-    registered consumer has declared; None when stopped first or no consumer is left."""
+class _Beat:
+    """A declared consumer's heartbeat: its record's modification time renewed every `HEARTBEAT_S` from a thread, so
+    that a service on another node sees a trainer that died without unregistering (kill -9, a lost node)."""
+
+    def __init__(self, spool: Path, consumer: str):
+        self.path, self.stopped = Path(spool) / CONSUMERS / f"{consumer}.json", threading.Event()
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except FileNotFoundError:  # unregistered: nothing to keep alive
+                return
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+class _Rewind(Exception):
+    """A consumer declared its steps again: the service starts over at the earliest declared step."""
+
+
+def _declared_steps(spool: Path, spec: StreamSpec, parent: int, status: _Status) -> dict[str, dict] | None:
+    """The registered consumers once every one has declared its steps; None when stopped first or none is left."""
     status.update(state="waiting for consumers")
     while not (spool / STOP).exists() and _trainer_alive(spec, parent):
-        declared = consumers(spool)
+        declared = _live_consumers(spool, spec)
         if not declared:
             return None
-        if all(steps is not None for steps in declared.values()):
-            return min(s[0] for s in declared.values()), max(s[1] for s in declared.values())
+        if all(c["steps"] is not None for c in declared.values()):
+            return declared
         time.sleep(POLL_S * 5)
     return None
 
 
-def _collect(spool: Path, batch: int) -> bool:
-    """Deletes the files every consumer has read (or starts past); False when no consumer is left."""
-    declared = consumers(spool)
+def _live_consumers(spool: Path, spec: StreamSpec) -> dict[str, dict[str, Any]]:
+    """The consumers, less those declared whose heartbeat is older than `train.stream.stall_timeout_s` (unregistered
+    here: a trainer killed without a word no longer holds the stream)."""
+    found = consumers(spool)
+    for name, c in list(found.items()):
+        if c["steps"] is not None and time.time() - c["beat"] > spec.cfg.train.stream.stall_timeout_s:
+            print(f"[stream] consumer {name} gave no sign of life for {time.time() - c['beat']:.0f} s: dropped")
+        elif c["steps"] is None and c.get("job") and _job_ended(spec, *c["job"]):
+            print(f"[stream] consumer {name}'s job {c['job'][1]} ended before it read: dropped")
+        else:
+            continue
+        unregister(spool, name)
+        del found[name]
+    return found
+
+
+_JOB_CHECKS: dict[str, float] = {}
+JOB_CHECK_S = 30.0
+
+
+def _job_ended(spec: StreamSpec, folder: str, job_id: str) -> bool:
+    """Whether a consumer's Slurm job has ended (asked of Slurm every `JOB_CHECK_S` at most)."""
+    from orchestrator import runner
+
+    if time.time() - _JOB_CHECKS.get(job_id, 0.0) < JOB_CHECK_S:
+        return False
+    _JOB_CHECKS[job_id] = time.time()
+    state = runner.job_state(spec.cfg.cluster, Path(folder), job_id)
+    return state not in runner.ACTIVE_STATES and state != "UNKNOWN"
+
+
+def _collect(spool: Path, spec: StreamSpec, began: dict[str, float]) -> bool:
+    """Deletes the files every consumer has read (or starts past); False when no consumer is left. Raises `_Rewind`
+    when a consumer has declared since the service began (`began`: each consumer's declaration then)."""
+    declared = _live_consumers(spool, spec)
     if not declared:
         return False
-    if any(steps is None for steps in declared.values()):  # registered late: it may need any file
+    if any(c["steps"] is None for c in declared.values()):  # registered late: it may need any file
         return True
+    again = [name for name, c in declared.items() if began.get(name) != c["declared"]]
+    if again:
+        raise _Rewind(f"consumer {', '.join(again)} declared steps {declared[again[0]]['steps']}")
+    batch = spec.cfg.train.batch_size
     for entry in os.scandir(spool):
         if not entry.name.endswith(".safetensors"):
             continue
         position = entry.name.split("-")[0]  # the name a consumer's mark takes
         if all(
-            int(position) < steps[0] * batch or (spool / READS / name / position).exists()
-            for name, steps in declared.items()
+            int(position) < c["steps"][0] * batch or (spool / READS / name / position).exists()
+            for name, c in declared.items()
         ):
             Path(entry.path).unlink(missing_ok=True)
             for name in declared:
@@ -375,6 +471,29 @@ def _collect(spool: Path, batch: int) -> bool:
 
 
 # ---- the trainer's side ----------------------------------------------------------------------------------------
+
+
+def prepare(spool: Path, spec: StreamSpec, consumers: Iterable[str] = ()) -> None:
+    """The spool emptied of an earlier run's files (a resumed trainer asks from its cursor on; the replayed first
+    epoch is kept), the `consumers` of a shared service registered, and the service's spec written."""
+    spool = Path(spool)
+    spool.mkdir(parents=True, exist_ok=True)
+    for entry in spool.iterdir():
+        if entry.name == REPLAY and spec.replay_bytes:  # whole files of the first epoch, kept
+            continue
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    for name in consumers:
+        register(spool, name)
+    (spool / SPEC).write_bytes(pickle.dumps(spec))
+
+
+def serve_job(spool: str) -> int:
+    """The service as a job of its own (submitit, `pipeline.submit_stream_service`): its log is the job's."""
+    import submitit
+
+    code = serve(Path(spool), submitit.JobEnvironment().paths.stdout)
+    print(f"[stream] service ended with code {code}", flush=True)
+    return code
 
 
 class CaptureService:
@@ -391,14 +510,7 @@ class CaptureService:
     def start(self, consumers: Iterable[str] = ()) -> CaptureService:
         """Starts the service on an emptied spool; a shared one (`StreamSpec.shared`) with its `consumers`
         registered first."""
-        self.spool.mkdir(parents=True, exist_ok=True)
-        for entry in self.spool.iterdir():  # an earlier run's: a resumed trainer asks from its cursor on
-            if entry.name == REPLAY and self.spec.replay_bytes:  # whole files of the first epoch, kept
-                continue
-            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-        for name in consumers:
-            register(self.spool, name)
-        (self.spool / SPEC).write_bytes(pickle.dumps(self.spec))
+        prepare(self.spool, self.spec, consumers)
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "orchestrator.states.stream", str(self.spool)],
@@ -441,12 +553,13 @@ class StreamedSplit:
         service: CaptureService | None = None,
         consumer: str | None = None,
         start_position: int = 0,
+        beat: _Beat | None = None,
     ):
         self.spool, self.size, self.columns = Path(spool), size, columns
         self.stall_timeout_s, self.service = stall_timeout_s, service
         # a shared service's consumer marks what it read (the service deletes a file all its consumers read);
         # a trainer with a service of its own deletes each file as it reads it
-        self.consumer, self.start_position = consumer, start_position
+        self.consumer, self.start_position, self.beat = consumer, start_position, beat
         self.wait_s, self.opened = 0.0, time.time()
 
     def __len__(self) -> int:
@@ -458,6 +571,9 @@ class StreamedSplit:
     def close(self) -> None:
         if self.service is not None:
             self.service.stop()
+        if self.beat is not None:  # the rank that declared this consumer says it has ended, however it ended
+            self.beat.stop()
+            unregister(self.spool, self.consumer)
 
     def _next(self, index: int) -> SequenceStates:
         began = time.time()
@@ -487,18 +603,23 @@ class StreamedSplit:
         return int(position) >= self.start_position and not (self.spool / READS / self.consumer / position).exists()
 
     def _check_alive(self, index: int) -> None:
-        log = self.service.log if self.service else self.spool / LOG
+        status = read_status(self.spool)
+        log = self.service.log if self.service else Path(status["log"]) if status else self.spool / LOG
         proc = self.service.proc if self.service else None
         if proc is not None and proc.poll() is not None:
             raise StreamError(
                 f"the capture service (pid {proc.pid}) exited with code {proc.returncode} before sequence {index} "
                 f"was streamed; its log: {log}\n{_tail(log)}"
             )
-        status = read_status(self.spool)
         if status and proc is None and status.get("host") == socket.gethostname() and not _pid_alive(status["pid"]):
             raise StreamError(
                 f"the capture service (pid {status['pid']}) has exited before sequence {index} was streamed; "
                 f"its log: {log}\n{_tail(log)}"
+            )
+        if status and status.get("state") == "stopped":
+            raise StreamError(
+                f"the capture service stopped before sequence {index} was streamed (it saw no consumer left, or was "
+                f"asked to stop); its log: {log}\n{_tail(log)}"
             )
         beat = status["heartbeat"] if status else self.opened
         if time.time() - beat > self.stall_timeout_s:
@@ -541,13 +662,16 @@ def open_stream(cfg, plan, manifest: dict[str, Any], layers: list[int], compute,
     size = len(load_split(plan.dir("extract"), manifest, "train", verify=False, tokens_only=True))
     columns = layer_columns(manifest, layers)
     if st.join is not None:  # a service the layer search runs for its trials: this run is one of its consumers
-        spool, consumer = Path(st.join), Path(plan.run_dir).name
+        spool, consumer, beat = Path(st.join), Path(plan.run_dir).name, None
         if compute.is_main:
             _check_joinable(spool, cfg, plan)
             declare(spool, consumer, start_step, total)
+            beat = _Beat(spool, consumer)
         compute.barrier()
         start = start_step * cfg.train.batch_size
-        return StreamedSplit(spool, size, columns, st.stall_timeout_s, consumer=consumer, start_position=start)
+        return StreamedSplit(
+            spool, size, columns, st.stall_timeout_s, consumer=consumer, start_position=start, beat=beat
+        )
     spool = Path(st.spool or Path(plan.dir("train")) / "stream")
     service = None
     if compute.is_main:
