@@ -280,51 +280,46 @@ class Conversations:
 
 def answered_turns(data: DataConfig) -> float:
     """The mean number of assistant turns that turn-by-turn regeneration answers (`turns_after_answers` plus the
-    first) per conversation of data=jsonl's train files: one pass over them, cached by their names, sizes and
-    times, for the storage and stream estimates of data.regenerate.turns=null."""
-    files = tuple((str(f), Path(f).stat().st_size, Path(f).stat().st_mtime_ns) for f in data.train_files)
-    return _answered_turns(files, data.format)
-
-
-@functools.lru_cache(maxsize=8)
-def _answered_turns(files: tuple, fmt: str) -> float:
-    answered = count = 0
-    for i, (file, _, _) in enumerate(files):
-        with open(file, encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if line.strip():
-                    conversation = parse_conversation(line, fmt, f"{file}:{number}")
-                    answered += 1 + len(turns_after_answers(conversation))
-                    count += 1
-    return answered / max(count, 1)
+    first) per conversation of data=jsonl's train files, for the storage and stream estimates of
+    data.regenerate.turns=null (the pass `check_rows` makes, not another)."""
+    scans = [scan_file(file, data.format, f"data.train_files[{i}]") for i, file in enumerate(data.train_files)]
+    return sum(answered for _, answered in scans) / max(sum(count for count, _ in scans), 1)
 
 
 def check_rows(data: DataConfig) -> int:
     """Every conversation of data=jsonl's files parsed, one line at a time (none kept), before any job: a
     malformed line fails here naming its file and line, not in the extract job. The number of conversations."""
-    count = 0
-    for key in ("train_files", "val_files"):
-        for i, file in enumerate(getattr(data, key)):
-            count += len(read_conversations(file, data.format, f"data.{key}[{i}]", keep=False))
-    return count
+    return sum(
+        scan_file(file, data.format, f"data.{key}[{i}]")[0]
+        for key in ("train_files", "val_files")
+        for i, file in enumerate(getattr(data, key))
+    )
 
 
-def read_conversations(path: str | Path, fmt: str, key: str, keep: bool = True) -> list[Conversation]:
-    """The conversations of one JSON Lines file (blank lines skipped), as system/user/assistant messages.
-    `fmt`: auto, openai or sharegpt; `key` names the config entry the path came from, for the errors. With
-    `keep=False` each line is parsed (checked) and dropped: the list holds None per conversation."""
+def scan_file(path: str | Path, fmt: str, key: str) -> tuple[int, int]:
+    """One JSON Lines file parsed, one line at a time, none kept: its conversations and the assistant turns
+    turn-by-turn regeneration answers in them. One pass per file, its result cached by the file's name, size and
+    time, for every check and estimate of a plan; `key` names the config entry the path came from."""
     path = Path(path)
     if not path.is_file():
         raise DataFileError(f"{key}={str(path)!r}: no such file (relative paths start at {Path.cwd()})")
-    out: list[Conversation] = []
-    with path.open(encoding="utf-8") as lines:
+    stat = path.stat()
+    count, answered = _scan(str(path), stat.st_size, stat.st_mtime_ns, fmt)
+    if not count:
+        raise DataFileError(f"{path}: no conversations ({key}); expected one JSON object per line")
+    return count, answered
+
+
+@functools.lru_cache(maxsize=64)
+def _scan(file: str, size: int, mtime_ns: int, fmt: str) -> tuple[int, int]:
+    count = answered = 0
+    with open(file, encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
             if line.strip():
-                conversation = parse_conversation(line, fmt, f"{path}:{number}")
-                out.append(conversation if keep else None)
-    if not out:
-        raise DataFileError(f"{path}: no conversations ({key}); expected one JSON object per line")
-    return out
+                conversation = parse_conversation(line, fmt, f"{file}:{number}")
+                answered += 1 + len(turns_after_answers(conversation))
+                count += 1
+    return count, answered
 
 
 def parse_conversation(line: str, fmt: str, where: str) -> Conversation:

@@ -20,7 +20,7 @@ from orchestrator import layers as layer_contract
 from orchestrator.artifacts import MANIFEST, read_json
 from orchestrator.compute import resolve_precision
 from orchestrator.config import RootConfig, tasks_per_node
-from orchestrator.estimates import extract_storage
+from orchestrator.estimates import extract_storage, storage_terms
 from orchestrator.targets import quantization_of
 
 CATEGORIES = (
@@ -167,10 +167,10 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
             Finding(
                 "storage",
                 fits,
-                f"extraction writes at most {st['max_bytes'] / 1e9:,.1f} GB ({st['max_tokens']:,} tokens = "
-                f"{st['conversations']:,} conversations x {st['sequences_per_conversation']:.2f} sequences x "
-                f"data.max_seq_len={cfg.data.max_seq_len}, "
-                f"x {st['bytes_per_token']:,} bytes/token = "
+                f"extraction writes at most {st['max_bytes'] / 1e9:,.1f} GB ({storage_terms(st)}; of "
+                f"{st['max_tokens']:,} tokens = {st['conversations']:,} conversations x "
+                f"{st['sequences_per_conversation']:.2f} sequences x data.max_seq_len={cfg.data.max_seq_len}; "
+                f"{st['bytes_per_token']:,} bytes/token = "
                 f"{st['states_per_token']} states x hidden {cfg.target.hidden_size} x {cfg.extract.dtype}); "
                 f"extract.max_bytes={st['limit_bytes'] / 1e9:,.1f} GB",
                 ""

@@ -204,7 +204,9 @@ def test_dry_run_prints_the_extraction_storage_and_an_over_budget_plan_is_refuse
     refused = _cli(["+experiment=kimi_eagle3", "dry_run=true", "extract.max_bytes=1e10", *here], outputs / "refused")
     assert refused.returncode != 0
     assert (
-        f"[storage] extraction writes at most {total / 1e9:,.1f} GB" in refused.stderr
+        f"[storage] extraction writes at most {total / 1e9:,.1f} GB ({stored:,} tokens x 57,349 bytes/token + "
+        f"{ids:,} streamed tokens' ids x 5 bytes; of {stored + ids:,} tokens"
+        in refused.stderr
         and "extract.max_bytes=10.0 GB" in refused.stderr
     )
     assert not list((outputs / "refused").rglob("plan.json")), "refused before anything is written"

@@ -11,8 +11,15 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import ConfigError
-from orchestrator.data import DataFileError, conversations, read_conversations
+from orchestrator.data import DataFileError, JsonlRows, conversations, scan_file
 from orchestrator.tiny.corpus import stdlib_conversations
+
+
+def read_conversations(path, fmt: str, key: str) -> list:
+    """Every conversation of one file, parsed as the extract stage reads them (`JsonlRows`)."""
+    rows = JsonlRows([path], fmt, key)
+    return [rows.read(i) for i in range(len(rows))]
+
 
 REPO = Path(__file__).resolve().parent.parent
 OPENAI = REPO / "data" / "sample_chat.jsonl"
@@ -32,7 +39,7 @@ def write(path: Path, *lines: str) -> Path:
 
 
 def test_both_sample_formats_parse_into_the_same_conversations():
-    openai = read_conversations(OPENAI, "auto", "data.train_files[0]")
+    openai = read_conversations(OPENAI, "auto", "data.train_files")
     assert len(openai) == 40
     assert read_conversations(OPENAI, "openai", "k") == openai
     assert read_conversations(SHAREGPT, "auto", "k") == openai
@@ -126,7 +133,7 @@ def test_stdlib_chat_is_unchanged(tiny_config):
 def test_a_malformed_line_names_the_file_and_the_line(tmp_path, line, fragment):
     path = write(tmp_path / "bad chat.jsonl", json.dumps(GOOD), "", line)  # line 3: blank lines count
     with pytest.raises(DataFileError, match=re.escape(f"{path}:3: ") + ".*" + re.escape(fragment)):
-        read_conversations(path, "auto", "data.train_files[0]")
+        read_conversations(path, "auto", "data.train_files")
 
 
 def test_a_forced_format_refuses_the_other_one(tmp_path):
@@ -139,7 +146,7 @@ def test_a_forced_format_refuses_the_other_one(tmp_path):
 
 def test_reading_a_file_that_vanished_names_the_key(tmp_path):
     with pytest.raises(DataFileError, match=re.escape(f"data.val_files[1]='{tmp_path / 'gone.jsonl'}': no such file")):
-        read_conversations(tmp_path / "gone.jsonl", "auto", "data.val_files[1]")
+        scan_file(tmp_path / "gone.jsonl", "auto", "data.val_files[1]")  # the plan's check of every file
 
 
 def test_too_few_conversations_to_split(tmp_path, jsonl_config):
@@ -229,3 +236,18 @@ def test_a_million_conversations_stream_from_their_file_without_being_loaded(jso
     with big.open() as lines:  # the line the conversation came from
         line = json.loads(next(itertools.islice(lines, numbers[0], None)))
     assert train[1000][0] == line["messages"]
+
+
+def test_the_plan_reads_each_file_once_for_its_check_and_its_turn_count(tmp_path, jsonl_config):
+    """check_rows (every line parsed before any job) and answered_turns (the estimates with regenerate.turns=null)
+    share one pass per file; a file edited in place is read again."""
+    from orchestrator import data
+
+    train = write(tmp_path / "train.jsonl", *[json.dumps(GOOD)] * 12)
+    val = write(tmp_path / "val.jsonl", *[json.dumps(GOOD)] * 4)
+    cfg = jsonl_config(f"data.train_files=['{train}']", f"data.val_files=['{val}']", "data.val_fraction=null")
+    before = data._scan.cache_info().misses
+    assert data.check_rows(cfg.data) == 16 and data.answered_turns(cfg.data) == 1.0
+    assert data._scan.cache_info().misses - before == 2, "one pass per file"
+    write(train, *[json.dumps(GOOD)] * 13)
+    assert data.check_rows(cfg.data) == 17 and data._scan.cache_info().misses - before == 3
