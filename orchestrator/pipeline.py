@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 import json
 import shlex
@@ -615,14 +616,14 @@ def _submit_stream_service(cfg: RootConfig, plan: Plan, jobs: list, dependency: 
         cfg, str(plan.dir("extract")), plan.target_dir, 0, 0, st.buffer_bytes, None, st.replay_bytes, shared=True
     )
     stream_mod.prepare(spool, spec, consumers=[Path(plan.run_dir).name])
-    ex = runner.executor(
-        cfg.cluster,
-        Path(plan.run_dir) / "jobs",
-        f"{cfg.run_name}-stream",
-        cfg.extract.resources,
-        1,
-        [dependency] if dependency else None,
+    # the extraction's nodes, for as long as the training may run (it waits for the service, then reads from it)
+    resources = dataclasses.replace(
+        cfg.extract.resources, timeout_min=max(cfg.extract.resources.timeout_min, cfg.train.resources.timeout_min)
     )
+    ex = runner.executor(
+        cfg.cluster, Path(plan.run_dir) / "jobs", f"{cfg.run_name}-stream", resources, 1,
+        [dependency] if dependency else None,
+    )  # fmt: skip
     try:
         service = ex.submit(stream_mod.serve_job, str(spool))
     except Exception as exc:
