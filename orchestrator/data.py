@@ -146,7 +146,10 @@ def hf_conversations(data: DataConfig, seed: int) -> tuple[list[Conversation], l
     only as far as the caps need. Validation is data.val_split's first max_val_conversations rows, or else each
     train-split row is held out with probability data.val_fraction, drawn under the seed in row order (a streamed
     data set has no length to sample from). Every row is parsed by its layout (data.format, data.column); a bad
-    row fails naming the data set, the split and the row."""
+    row fails naming the data set, the split and the row. With data.streaming=false (a map-style data set) the
+    same rows are picked by index and each is read when it is used (`HfRows`)."""
+    if not data.streaming:  # a map-style (memory-mapped Arrow) data set: rows picked by index, read when used
+        return _indexed_conversations(data, seed)
 
     def rows(split: str, key: str):
         for i, row in enumerate(open_hf(data, split, key)):
@@ -167,6 +170,59 @@ def hf_conversations(data: DataConfig, seed: int) -> tuple[list[Conversation], l
             if len(train) >= data.max_train_conversations and len(val) >= data.max_val_conversations:
                 break
     if not train or not val:
+        raise DataFileError(
+            f"data.path={data.path!r}: {len(train)} train and {len(val)} validation conversations; both splits need "
+            "at least one (more rows, or another data.val_fraction or data.val_split)"
+        )
+    return train, val
+
+
+class HfRows:
+    """The rows of one split of a map-style `datasets` data set (data=hf with data.streaming=false), by index,
+    parsed when read: the data set is opened once per process (memory-mapped Arrow, nothing loaded) and not
+    pickled, so a job is handed the config, not the rows."""
+
+    def __init__(self, data: DataConfig, split: str, key: str):
+        self.data, self.split, self.key, self._opened = data, split, key, None
+        self.size = len(self._rows())
+
+    def _rows(self):
+        if self._opened is None:
+            self._opened = open_hf(self.data, self.split, self.key)
+        return self._opened
+
+    def __getstate__(self):
+        return {**self.__dict__, "_opened": None}
+
+    def __len__(self) -> int:
+        return self.size
+
+    def read(self, index: int) -> Conversation:
+        where = f"data.path={self.data.path!r} [{self.split}] row {index}"
+        return parse_record(self._rows()[index], self.data.format, where, self.data.column)
+
+    def __repr__(self) -> str:
+        return f"{self.data.path} [{self.split}]"
+
+
+def _indexed_conversations(data: DataConfig, seed: int) -> tuple["Conversations", "Conversations"]:
+    """`hf_conversations` for a map-style data set: the same rows, chosen by index under the same draws, each read
+    when a shard uses it."""
+    train = Conversations(HfRows(data, data.train_split, "data.train_split"))
+    if data.val_split is not None:
+        val = Conversations(HfRows(data, data.val_split, "data.val_split"))
+        train, val = train[: data.max_train_conversations], val[: data.max_val_conversations]
+    else:
+        draw, picks = random.Random(seed), (array("q"), array("q"))
+        for i in range(len(train)):  # the streamed reading's draws, one per row in order, until both caps are met
+            held = draw.random() < data.val_fraction
+            split = picks[1] if held else picks[0]
+            if len(split) < (data.max_val_conversations if held else data.max_train_conversations):
+                split.append(i)
+            if len(picks[0]) >= data.max_train_conversations and len(picks[1]) >= data.max_val_conversations:
+                break
+        train, val = train.pick(picks[0]), train.pick(picks[1])
+    if not len(train) or not len(val):
         raise DataFileError(
             f"data.path={data.path!r}: {len(train)} train and {len(val)} validation conversations; both splits need "
             "at least one (more rows, or another data.val_fraction or data.val_split)"
@@ -240,6 +296,9 @@ class JsonlRows:
     def __len__(self) -> int:
         return self.starts[-1]
 
+    def __repr__(self) -> str:
+        return str([str(path) for path, _ in self.files])
+
     def read(self, index: int) -> Conversation:
         f = bisect.bisect_right(self.starts, index) - 1
         (path, lines), at = self.files[f], index - self.starts[f]
@@ -250,10 +309,11 @@ class JsonlRows:
 
 
 class Conversations:
-    """A split's conversations as a sequence that reads each one from its file when it is used (`JsonlRows`):
+    """A split's conversations as a sequence that reads each one from its file when it is used (`JsonlRows`, or a
+    map-style data set's `HfRows`):
     indexing, slicing (a slice is another such sequence) and iteration, in the split's order."""
 
-    def __init__(self, rows: JsonlRows, picks=None):
+    def __init__(self, rows: "JsonlRows | HfRows", picks=None):
         self.rows = rows
         self.picks = range(len(rows)) if picks is None else picks
 
@@ -275,7 +335,7 @@ class Conversations:
         return len(self) == len(other) and all(a == b for a, b in zip(self, other))
 
     def __repr__(self) -> str:
-        return f"Conversations({len(self)} of {len(self.rows)} in {[str(p) for p, _ in self.rows.files]})"
+        return f"Conversations({len(self)} of {len(self.rows)} in {self.rows!r})"
 
 
 def answered_turns(data: DataConfig) -> float:

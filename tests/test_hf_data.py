@@ -244,3 +244,38 @@ def test_a_records_tool_definitions_reach_the_template_and_stay_out_of_the_mask(
         parse_record({"messages": TOOL_CHAT, "tools": WEATHER_TOOL}, "auto", "row 6")
     with pytest.raises(DataFileError, match=r"row 7: tools: a string that is not JSON"):
         parse_record({"messages": TOOL_CHAT, "tools": "[{"}, "auto", "row 7")
+
+
+def test_a_map_style_data_set_gives_the_streamed_rows_without_loading_them(tmp_path):
+    """data.streaming=false: the same train and validation conversations as streamed, under the seed's draws or a
+    validation split; held as row indices into the memory-mapped data set (a split of 100,000 rows costs Python
+    under 8 MiB, and pickles to a few kB for a job); a bad row fails when it is read, naming the row."""
+    import pickle
+    import tracemalloc
+
+    import datasets
+
+    parquet = tmp_path / "chats.parquet"
+    rows = [openai_row(i) for i in range(300)] + [{"messages": [{"role": "user", "content": "no answer"}]}]
+    datasets.Dataset.from_list(rows).to_parquet(str(parquet))
+    for extra in (["data.val_fraction=0.25"], ["data.val_fraction=0.1", "data.max_train_conversations=50"]):
+        streamed = conversations(hf(tmp_path, f"data.path={parquet}", *extra).data, 0)
+        cfg = hf(tmp_path, f"data.path={parquet}", "data.streaming=false", *extra)
+        indexed = conversations(cfg.data, 0)
+        assert indexed[0] == streamed[0] and indexed[1] == streamed[1] and len(indexed[1]) > 0
+    assert len(pickle.dumps(indexed)) < 10_000
+    cfg = hf(tmp_path, f"data.path={parquet}", "data.streaming=false", "data.max_train_conversations=1000")
+    train, _ = conversations(cfg.data, 0)
+    with pytest.raises(DataFileError, match=r"\[train\] row 300: no assistant turn"):
+        list(train)
+
+    big = tmp_path / "big.parquet"
+    datasets.Dataset.from_dict({"messages": [chat(i % 50) for i in range(100_000)]}).to_parquet(str(big))
+    cfg = hf(tmp_path, f"data.path={big}", "data.streaming=false", "data.max_train_conversations=1000000",
+             "data.max_val_conversations=1000000")  # fmt: skip
+    tracemalloc.start()
+    train, val = conversations(cfg.data, 0)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(train) + len(val) == 100_000 and train[-1] == chat((train.picks[-1]) % 50)
+    assert peak < 8 * 2**20, f"{peak / 2**20:.1f} MiB"
