@@ -463,34 +463,14 @@ def run_jobs(run_dir: Path) -> dict[str, str]:
     return {name.rsplit("-", 1)[-1]: job for job, name in (line.split("|") for line in out.splitlines() if "|" in line)}
 
 
-def test_streamed_training_reads_a_capture_service_job_of_its_own(slurm_outputs):
-    """train.states=stream on Slurm: the capture service is a job of its own with the extraction's resources, after
-    the extraction; the train job starts once it has started (--dependency=after:) and reads its states as its one
-    consumer; the service ends when the training does, having captured exactly the training's steps."""
-    proc = cli(slurm_outputs, "+experiment=tiny_eagle3", *SLURM_FAST, "train.max_steps=12", "stages=[extract,train]",
-               "train.states=stream", "train.stream.buffer_bytes=300000", "cluster.wait=true", timeout=900)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "capture service: a Slurm job of its own after extract, with extract.resources" in proc.stdout
-    summary_path = next((slurm_outputs / "runs").rglob("summary.json"))
-    report = json.loads(summary_path.read_text())["stages"]["train"]["stream"]
-    assert report["captured_sequences"] == 12 * 8 and 0 < report["peak_spool_bytes"] <= 300_000, report
-    run_dir = summary_path.parent
-    by_name = run_jobs(run_dir)
-    jobs = list(by_name.values())
-    assert set(by_name) == {"extract", "stream", "train"}, by_name
-    assert set(wait_terminal(jobs).values()) == {"COMPLETED"}
-    from datetime import datetime
-
-    times = {j: tuple(datetime.fromisoformat(t) for t in span) for j, span in sacct_times(jobs).items()}
-    assert times[by_name["train"]][0] >= times[by_name["stream"]][0] >= times[by_name["extract"]][1], times
-    log = next((run_dir / "jobs").glob(f"{by_name['stream']}_0_log.out")).read_text()
-    assert "[stream] epoch 0: captured 96 sequences" in log and "service ended with code 0" in log, log[-2000:]
-
-
-def test_a_killed_capture_service_job_fails_the_training_naming_its_log_and_the_rerun_resumes(slurm_outputs):
-    """The service job killed mid-training (SIGKILL through scancel): the run fails within 2 minutes, naming the
-    service's job log; the train job stops within train.stream.stall_timeout_s; the same command then resumes the
-    training from its checkpoint with a new service job, which captures from that step on."""
+def test_a_capture_service_job_of_its_own_killed_fails_the_training_naming_its_log_and_the_rerun_resumes(
+    slurm_outputs,
+):
+    """train.states=stream on Slurm: the capture service is a job of its own (`<run>-stream`, the extraction's
+    resources) after the extraction, and the train job starts once it has started (--dependency=after:). Killed
+    mid-training (SIGKILL through scancel), the run fails within 2 minutes, naming the service's job log, and the
+    train job fails on its own within train.stream.stall_timeout_s. The same command then resumes the training
+    from its checkpoint with a new service job, which captures from that step on, and every job completes."""
     args = ["+experiment=tiny_eagle3", *SLURM_FAST, "train.max_steps=24", "train.checkpoint_every=2",
             "stages=[extract,train]", "train.states=stream", "train.stream.buffer_bytes=300000",
             "train.stream.stall_timeout_s=15", "cluster.wait=true"]  # fmt: skip
@@ -515,10 +495,18 @@ def test_a_killed_capture_service_job_fails_the_training_naming_its_log_and_the_
 
     rerun = cli(slurm_outputs, *args, timeout=900)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "capture service: a Slurm job of its own after extract, with extract.resources" in rerun.stdout
     (again,) = [d for d in (slurm_outputs / "runs").glob("*/*") if d != run_dir]
+    jobs = run_jobs(again)
+    assert set(jobs) == {"stream", "train"} and set(wait_terminal(list(jobs.values())).values()) == {"COMPLETED"}
+    from datetime import datetime
+
+    times = {j: tuple(datetime.fromisoformat(t) for t in span) for j, span in sacct_times(list(jobs.values())).items()}
+    assert times[jobs["train"]][0] >= times[jobs["stream"]][0], times
     logs = [p.read_text() for p in (again / "jobs").glob("*_0_log.out")]
     service_log = next(log for log in logs if "[stream] capturing" in log)
     first = int(re.search(r"capturing \d+ sequences' states, steps (\d+)\.\.24", service_log).group(1))
     assert first > 0, service_log  # from the checkpoint's step, not from the start
     report = json.loads((again / "summary.json").read_text())["stages"]["train"]["stream"]
-    assert report["captured_sequences"] == (24 - first) * 8, report
+    assert report["captured_sequences"] == (24 - first) * 8 and 0 < report["peak_spool_bytes"] <= 300_000, report
+    assert "service ended with code 0" in service_log, service_log[-2000:]
