@@ -274,7 +274,8 @@ def test_vllm_streams_the_tiny_kimis_states_to_the_draft_offline_states_train(vl
     (acc_off, loss_off), (acc_on, loss_on) = evals["offline"], evals["stream"]
     print(
         f"tiny Kimi eval acc_0 / val loss: offline {acc_off:.4f} / {loss_off:.5f}, "
-        f"vLLM stream {acc_on:.4f} / {loss_on:.5f}"
+        f"vLLM stream {acc_on:.4f} / {loss_on:.5f}; spool peak {report['peak_spool_bytes']:,} bytes of "
+        f"{report['buffer_bytes']:,}"
     )
     assert abs(acc_off - acc_on) <= 0.01
     assert abs(loss_off - loss_on) <= 0.01 * loss_off
