@@ -41,5 +41,7 @@ export MLFLOW_DISABLE_TELEMETRY=true
 # Their torch processes' OpenMP threads must then sleep, not spin, while they wait (OMP_WAIT_POLICY, which torch's
 # libgomp reads): spinning threads take the CPU from the other worker's, and with them two workers were slower than
 # one (27 minutes). It changes when a thread waits, not what it computes. `-n 0` runs in one process.
+# The longest files go first (tests/conftest.py, LONGEST_FIRST), in that order, instead of xdist's reorder by
+# number of tests.
 export OMP_WAIT_POLICY=PASSIVE
-.venv/bin/python -m pytest -n 2 --dist loadfile "$@"
+.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"

@@ -12,6 +12,35 @@ from orchestrator import conf_dir
 from orchestrator.config import RootConfig, load
 from orchestrator.engines.sglang import cli as sglang
 
+# The files that take longest on 2 cores, longest first (their durations in CI's `--durations` report). With
+# `--dist loadfile --no-loadscope-reorder` (scripts/test.sh) the two workers take whole files in this order, then
+# the rest in collection order: the long files start first instead of ending the run alone on one worker (xdist's
+# own reorder puts the files with the most tests first, and these have few).
+LONGEST_FIRST = (
+    "slurm/test_pipeline_slurm.py",
+    "test_stream.py",
+    "test_vllm.py",
+    "test_search.py",
+    "test_distributed.py",
+    "test_pipeline.py",
+    "test_vllm_capture.py",
+    "test_faults.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = Path(__file__).parent
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def rank(item) -> int:
+        try:
+            return order.get(Path(item.path).relative_to(tests).as_posix(), len(order))
+        except ValueError:  # outside tests/
+            return len(order)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order, and the other files theirs
+
+
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 # The tiny Llama, trained briefly on a sample of the corpus, with a short draft training: exercises every
