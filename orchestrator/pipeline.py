@@ -610,11 +610,8 @@ def _submit_stream_service(cfg: RootConfig, plan: Plan, jobs: list, dependency: 
     wait; the two are dependent jobs, not one heterogeneous job, because submitit submits one job per call, and a
     chain of dependent jobs is what the rest of the pipeline is. The service stops when its consumer unregisters,
     or gives no heartbeat for train.stream.stall_timeout_s (a trainer killed or cancelled)."""
-    spool = Path(cfg.train.stream.spool or plan.dir("train") / "stream")
-    st = cfg.train.stream
-    spec = stream_mod.StreamSpec(
-        cfg, str(plan.dir("extract")), plan.target_dir, 0, 0, st.buffer_bytes, None, st.replay_bytes, shared=True
-    )
+    spool = stream_mod.spool_dir(cfg, plan.dir("train") / "stream")
+    spec = stream_mod.StreamSpec.of(cfg, plan, None)
     stream_mod.prepare(spool, spec, consumers=[Path(plan.run_dir).name])
     # the extraction's nodes, for as long as the training may run (it waits for the service, then reads from it)
     resources = dataclasses.replace(

@@ -566,12 +566,8 @@ class Study:
 
         asked = self.ask_distinct(k)
         cfg = self.base
-        spool = Path(cfg.train.stream.spool) if cfg.train.stream.spool else self.folder / "stream"
-        plan = make_plan(cfg, self.folder / "extract")
-        spec = stream.StreamSpec(
-            cfg, str(plan.dir("extract")), plan.target_dir, 0, 0, cfg.train.stream.buffer_bytes, os.getpid(),
-            cfg.train.stream.replay_bytes, shared=True,
-        )  # fmt: skip
+        spool = stream.spool_dir(cfg, self.folder / "stream")
+        spec = stream.StreamSpec.of(cfg, make_plan(cfg, self.folder / "extract"), os.getpid())
         names = [f"{t.number:04d}" for t in asked]
         print(f"[search] trials {[t.number for t in asked]} read one capture service: {spool}")
         service = stream.CaptureService(spool, spec).start(consumers=names)

@@ -86,6 +86,22 @@ class StreamSpec:
     # several trainers (a layer search's trials) read this service: the steps are theirs (`declare`), not the spec's
     shared: bool = False
 
+    @classmethod
+    def of(cls, cfg, plan, trainer_pid: int | None, steps: tuple[int, int] | None = None) -> StreamSpec:
+        """The service `cfg` asks for, over `plan`'s extraction and target, watching `trainer_pid` (None: a job of
+        its own): for one trainer from `steps` = (start step, total steps), or, with no steps, shared by the
+        consumers that register with it (each declares its own)."""
+        st, (start, total) = cfg.train.stream, steps or (0, 0)
+        return cls(
+            cfg, str(plan.dir("extract")), plan.target_dir, start, total, st.buffer_bytes, trainer_pid,
+            st.replay_bytes, shared=steps is None,
+        )  # fmt: skip
+
+
+def spool_dir(cfg, default: Path) -> Path:
+    """The service's spool: `train.stream.spool`, or `default` (the run's or the search's own folder)."""
+    return Path(cfg.train.stream.spool or default)
+
 
 # ---- the service ---------------------------------------------------------------------------------------------
 
@@ -672,15 +688,10 @@ def open_stream(cfg, plan, manifest: dict[str, Any], layers: list[int], compute,
         return StreamedSplit(
             spool, size, columns, st.stall_timeout_s, consumer=consumer, start_position=start, beat=beat
         )
-    spool = Path(st.spool or Path(plan.dir("train")) / "stream")
+    spool = spool_dir(cfg, Path(plan.dir("train")) / "stream")
     service = None
     if compute.is_main:
-        st = cfg.train.stream
-        spec = StreamSpec(
-            cfg, str(plan.dir("extract")), plan.target_dir, start_step, total, st.buffer_bytes, os.getpid(),
-            st.replay_bytes,
-        )  # fmt: skip
-        service = CaptureService(spool, spec).start()
+        service = CaptureService(spool, StreamSpec.of(cfg, plan, os.getpid(), (start_step, total))).start()
     compute.barrier()
     return StreamedSplit(spool, size, columns, st.stall_timeout_s, service)
 
