@@ -280,6 +280,10 @@ def render_sbatch(
     tasks_per_node: int = 1,
     dependency: list[str] | None = None,
 ) -> str:
-    """The sbatch file submitit would write for a stage (for dry runs and golden tests)."""
-    ex = executor(cluster, folder, name, resources, tasks_per_node, dependency)
-    return ex._make_submission_file_text(f"python -u -m submitit.core._submit {folder}", "UID")
+    """The sbatch file submitit would write for a stage (for the golden tests), written by submitit's own function
+    from the parameters `executor` gives its SlurmExecutor: on any machine, where the executor itself refuses to
+    start without `srun` on the PATH."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    params = slurm_parameters(cluster, name, resources, tasks_per_node, dependency, None)
+    return _make_sbatch_string(command=f"python -u -m submitit.core._submit {folder}", folder=folder, **params)
