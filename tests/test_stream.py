@@ -387,3 +387,38 @@ def test_a_shared_service_keeps_each_file_until_every_consumer_read_it_and_its_d
         assert time.monotonic() - began < 5
     finally:
         service.stop()
+
+
+def test_a_consumer_declaring_again_beside_another_stops_the_shared_service_with_its_reason(both, tmp_path):
+    """Two consumers read step 0 of one shared service, then `a` declares its steps again (a requeued trainer) while
+    `b` reads on. Starting over would offer `b` files it has passed, kept for it until the buffer filled and both
+    waited on a live service: the service stops instead, saying why in its log, and `b` fails naming that log."""
+    import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
+
+    from orchestrator.states.source import step_indices
+
+    cfg, plan, _ = both["stream"]
+    spool = tmp_path / "spool"
+    spec = dataclasses.replace(stream.StreamSpec.of(cfg, plan, os.getpid()), buffer_bytes=1)
+    service = stream.CaptureService(spool, spec).start(consumers=["a", "b"])
+    try:
+        stream.declare(spool, "a", 0, 3)
+        stream.declare(spool, "b", 0, 3)
+        a = stream.StreamedSplit(spool, 96, None, 60, consumer="a")
+        b = stream.StreamedSplit(spool, 96, None, 60, consumer="b")
+        steps = [step_indices(96, cfg.train.batch_size, cfg.train.seed, step) for step in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            for read in [pool.submit(a.take, steps[0]), pool.submit(b.take, steps[0])]:
+                read.result(timeout=120)
+        stream.declare(spool, "a", 0, 3)
+        began = time.monotonic()
+        with pytest.raises(stream.StreamError) as stopped:
+            b.take(steps[1])
+        assert time.monotonic() - began < 30
+        message = str(stopped.value)
+        assert "stopped before sequence" in message and f"its log: {spool / 'service.log'}" in message, message
+        assert "consumer a declared steps [0, 3] while b read" in message, message
+        assert service.proc.wait(timeout=30) == 3
+    finally:
+        service.stop()

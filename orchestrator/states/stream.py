@@ -225,6 +225,10 @@ def _capture(spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens
             start, total = min(c["steps"][0] for c in found.values()), max(c["steps"][1] for c in found.values())
         try:
             return _capture_steps(spool, spec, parent, status, tokens, capture, replay, start, total, declared)
+        except _Conflict as why:
+            print(f"[stream] {why}: stopping", flush=True)
+            status.update(state="stopped")
+            return 3
         except _Rewind as why:
             print(f"[stream] {why}: starting over", flush=True)
             for entry in spool.glob("*.safetensors"):
@@ -416,6 +420,12 @@ class _Rewind(Exception):
     """A consumer declared its steps again: the service starts over at the earliest declared step."""
 
 
+class _Conflict(Exception):
+    """A consumer declared its steps again while others read: starting over would offer them files for positions
+    they have passed, kept for them until the buffer fills and every consumer waits. The service stops instead, and
+    each consumer fails naming its log."""
+
+
 def _declared_steps(spool: Path, spec: StreamSpec, parent: int, status: _Status) -> dict[str, dict] | None:
     """The registered consumers once every one has declared its steps; None when stopped first or none is left."""
     status.update(state="waiting for consumers")
@@ -462,13 +472,20 @@ def _job_ended(spec: StreamSpec, folder: str, job_id: str) -> bool:
 
 def _collect(spool: Path, spec: StreamSpec, began: dict[str, float]) -> bool:
     """Deletes the files every consumer has read (or starts past); False when no consumer is left. Raises `_Rewind`
-    when a consumer has declared since the service began (`began`: each consumer's declaration then)."""
+    when a consumer has declared since the service began (`began`: each consumer's declaration then), `_Conflict`
+    when others read meanwhile."""
     declared = _live_consumers(spool, spec)
     if not declared:
         return False
     if any(c["steps"] is None for c in declared.values()):  # registered late: it may need any file
         return True
     again = [name for name, c in declared.items() if began.get(name) != c["declared"]]
+    if again and len(again) < len(declared):
+        others = [name for name in declared if name not in again]
+        raise _Conflict(
+            f"consumer {', '.join(again)} declared steps {declared[again[0]]['steps']} while {', '.join(others)} "
+            "read: a shared service starts over for one consumer only when it is the only one"
+        )
     if again:
         raise _Rewind(f"consumer {', '.join(again)} declared steps {declared[again[0]]['steps']}")
     batch = spec.cfg.train.batch_size
@@ -634,8 +651,8 @@ class StreamedSplit:
             )
         if status and status.get("state") == "stopped":
             raise StreamError(
-                f"the capture service stopped before sequence {index} was streamed (it saw no consumer left, or was "
-                f"asked to stop); its log: {log}\n{_tail(log)}"
+                f"the capture service stopped before sequence {index} was streamed (it saw no consumer left, was "
+                f"asked to stop, or could not serve every consumer; its log says which); its log: {log}\n{_tail(log)}"
             )
         beat = status["heartbeat"] if status else self.opened
         if time.time() - beat > self.stall_timeout_s:
