@@ -360,7 +360,8 @@ def register(spool: Path, consumer: str) -> None:
 
 def declare(spool: Path, consumer: str, start_step: int, total_steps: int) -> None:
     """The registered `consumer`'s steps: it reads the positions of steps `start_step`..`total_steps`. Declaring
-    again (a requeued or resumed trainer) makes the service start over at the earliest declared step."""
+    again (a requeued or resumed trainer) makes the service start over at the earliest declared step when it is the
+    service's only consumer, and stop, saying why, when others read beside it (`_Conflict`)."""
     path = Path(spool) / CONSUMERS / f"{consumer}.json"
     if not path.exists():
         raise StreamError(f"train.stream.join={spool}: no consumer {consumer!r} is registered with that service")
@@ -652,7 +653,7 @@ class StreamedSplit:
         if status and status.get("state") == "stopped":
             raise StreamError(
                 f"the capture service stopped before sequence {index} was streamed (it saw no consumer left, was "
-                f"asked to stop, or could not serve every consumer; its log says which); its log: {log}\n{_tail(log)}"
+                f"asked to stop, or could not serve every consumer: the log says which); its log: {log}\n{_tail(log)}"
             )
         beat = status["heartbeat"] if status else self.opened
         if time.time() - beat > self.stall_timeout_s:
