@@ -112,16 +112,37 @@ def tiny_config(outputs):
 
 
 @pytest.fixture(scope="session")
-def fast_cache(tiny_config, tmp_path_factory):
-    """fast_cache(*stages) -> the shared outputs folder once the FAST tiny experiment's `stages` are in its cache
-    (run locally the first time any test asks, cached after): tests that need an extraction or a trained draft,
-    not the computing of one, copy them from there (`copy_cache`)."""
-    from orchestrator.pipeline import run_pipeline
+def fast_cache(outputs, tmp_path_factory, worker_id):
+    """fast_cache(*stages) -> the shared outputs folder once the FAST tiny experiment's `stages` are in its cache:
+    tests that need an extraction or a trained draft, not the computing of one, take them from there (`copy_cache`).
+
+    The stages are computed once for the whole test session, not once per xdist worker: in one outputs folder beside
+    the workers' own (`fast_outputs`), where the first worker that asks runs them and another that asks meanwhile
+    waits for its lock and reuses them, as two runs on one cache do (tests/test_faults.py). Each worker then copies
+    the finished stages' folders (and the target) into its own outputs folder, whose MLflow store stays its own."""
+    import shutil
+
+    from orchestrator.pipeline import make_plan, run_pipeline
+    from orchestrator.targets import tiny_target_dir
+
+    root = tmp_path_factory.getbasetemp()
+    shared = (root.parent if worker_id != "master" else root) / "fast_outputs"
 
     def ensure(*stages: str) -> Path:
-        cfg = tiny_config("cluster=local", f"stages=[{','.join(stages)}]")
-        run_pipeline(cfg, tmp_path_factory.mktemp("fast_cache") / "run")
-        return cfg.outputs
+        overrides = ("cluster=local", f"stages=[{','.join(stages)}]")
+        run_dir = tmp_path_factory.mktemp("fast_cache") / "run"
+        cfg = compose_config(shared, *overrides)
+        run_pipeline(cfg, run_dir)
+        plan = make_plan(cfg, run_dir)
+        folders = [tiny_target_dir(cfg.target, shared, cfg.seed)] + [plan.dir(stage) for stage in stages]
+        for folder in folders:
+            mine = outputs / folder.relative_to(shared)
+            if not mine.exists():  # finished: run_pipeline returned; copied whole, then renamed into place
+                part = mine.with_name(mine.name + ".copying")
+                shutil.rmtree(part, ignore_errors=True)
+                shutil.copytree(folder, part, ignore=shutil.ignore_patterns("*.lock", ".job.json"))
+                part.rename(mine)
+        return outputs
 
     return ensure
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, compose_config
+from conftest import FAST, compose_config, copy_cache
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
@@ -22,7 +22,6 @@ from orchestrator.config import ConfigError
 from orchestrator.pipeline import make_plan, run_pipeline
 from orchestrator.runner import StageFailed
 from orchestrator.stages.train import rank_share
-from orchestrator.targets import ensure_target
 
 WRITE_AUDIT = Path(__file__).resolve().parent / "write_audit"
 FAULTS = Path(__file__).resolve().parent / "faults"
@@ -41,16 +40,16 @@ def _overrides(ranks: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(outputs, tiny_config, tmp_path_factory):
+def runs(fast_cache, tmp_path_factory):
     """{ranks: (config, summary)} of `stages=[extract,train]` with 1 and with 2 processes per stage, each in its
-    own outputs folder (a copy of the shared tiny target), so that neither reuses the other's stages."""
-    ensure_target(tiny_config(), progress=False)
+    own outputs folder, so that neither reuses the other's stages: one process's are the session's FAST stages
+    (`fast_cache`, one process each: resources do not key them), two processes' are computed here from a copy of
+    the shared tiny target."""
+    shared = fast_cache("extract", "train")
     out = {}
     for ranks in (1, 2):
         root = tmp_path_factory.mktemp(f"ranks{ranks}")
-        shutil.copytree(
-            outputs / "cache" / "targets", root / "cache" / "targets", ignore=shutil.ignore_patterns("*.lock")
-        )
+        copy_cache(shared, root, ("targets", "extract", "train") if ranks == 1 else ("targets",))
         cfg = compose_config(root, *_overrides(ranks))
         audit = {}
         if ranks == 2:  # every task records its writes under the training cache (tests/write_audit)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config
+from conftest import compose_config, copy_cache
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -29,8 +29,9 @@ BUFFER = 200_000  # about two sequences of the FAST tiny target's states: the se
 
 
 @pytest.fixture(scope="module")
-def both(tiny_config, tmp_path_factory):
-    """The FAST tiny experiment's extraction and draft, offline and streamed."""
+def both(tiny_config, fast_cache, tmp_path_factory):
+    """The FAST tiny experiment's extraction and draft, offline (the session's, `fast_cache`) and streamed."""
+    fast_cache("extract", "train")  # the offline run's keys: neither the cluster nor train.stream key them
     runs = {}
     for mode in ("offline", "stream"):
         cfg = tiny_config("stages=[extract,train]", "cluster=debug", f"train.states={mode}",
@@ -318,6 +319,7 @@ def test_a_searchs_trials_share_one_capture_pass_per_epoch(both, tmp_path):
     from orchestrator import search
 
     name = "shared"
+    copy_cache(both["stream"][0].outputs, tmp_path)  # the tiny target, and the streamed extraction's token ids
     streamed = ("train.states=stream", "train.stream.buffer_bytes=600000")
     runs = ("search.n_trials=3", "search.n_jobs=3", "search/pruner=none", f"search.study_name={name}")
     raw = compose_search(tmp_path, *TRIAL, *streamed, *runs)
