@@ -288,7 +288,6 @@ def test_two_ranks_read_their_shares_of_one_stream(both, tmp_path):
     """train.resources.tasks_per_node=2 (gloo, cluster=local): rank 0 starts the one service, each rank reads its
     share of every step from the spool, and the draft is the one-rank streamed draft's up to the order in which the
     two ranks' gradients are summed. The service captures each step's sequences once, whatever the ranks."""
-    from conftest import copy_cache
 
     cfg, plan, summary = both["stream"]
     outputs = copy_cache(cfg.outputs, tmp_path / "outputs")  # the target and the extraction, not the draft
