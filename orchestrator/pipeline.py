@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import importlib
 import json
+import os
 import shlex
 import time
 from dataclasses import asdict, dataclass, field
@@ -117,6 +118,14 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     keys["extract"] = stable_hash(
         {"target": target, "data": data, "extract": extract, "seed": cfg.seed, "code": CODE_VERSION["extract"]}
     )
+    if cfg.data.regenerate.enabled:
+        # The target's answers: which states an extraction captures, and whether it stores the train split's, decide
+        # nothing of them. Another extraction of the same data by the same target (a layer search's union of layers,
+        # a streamed train split) reads them instead of generating them again (stages/extract.py).
+        answers = {k: v for k, v in extract.items() if k not in ("layers", "train_states")}
+        keys["regenerated"] = stable_hash(
+            {"target": target, "data": data, "extract": answers, "seed": cfg.seed, "code": CODE_VERSION["extract"]}
+        )
     train = _subtree(cfg, "train")
     train.pop("stream")  # how the states travel (buffer, spool, timeout), not what they are
     if cfg.train.states == "offline":  # the keys of drafts trained before streaming existed stay the same
@@ -217,6 +226,8 @@ def make_plan(cfg: RootConfig, run_dir: Path) -> Plan:
         "eval": cache / "eval" / keys["eval"],
         "serve": run_dir / "serve",
     }
+    if "regenerated" in keys:  # the target's answers, which every extraction of the same data shares
+        dirs["regenerated"] = cache / "regenerated" / keys["regenerated"]
     plan = Plan(
         run_dir=str(run_dir),
         target_dir=str(target_dir(cfg)),
@@ -513,6 +524,7 @@ def run_pipeline(
     jobs: list[tuple[str, Any]] = []
     dependency: str | None = None
     finalizer = None  # the job that writes the summary and closes the MLflow run, once submitted
+    shared = None  # (service, config joining it): train's capture service, kept up for eval (`_service_for_eval`)
     try:
         for entry in plan.stages:
             stage = entry["stage"]
@@ -536,6 +548,9 @@ def run_pipeline(
                     continue
                 submitted = time.time()
                 stage_cfg, after_start = cfg, None
+                if stage in ("train", "eval") and blocking and eval_in_service(cfg, [e["stage"] for e in todo]):
+                    shared = shared or _service_for_eval(cfg, plan, [e["stage"] for e in todo])
+                    stage_cfg = shared[1]
                 if stage == "train" and own_stream_job(cfg):  # the capture service as a Slurm job of its own
                     service, stage_cfg = _submit_stream_service(cfg, plan, jobs, dependency)
                     jobs.append(("stream", service))
@@ -592,8 +607,38 @@ def run_pipeline(
     except BaseException as exc:
         tracker.fail(f"{type(exc).__name__}: {exc}")
         raise
+    finally:
+        if shared is not None:
+            shared[0].stop()
     print_summary(summary)
     return summary
+
+
+def eval_in_service(cfg: RootConfig, stages: list[str]) -> bool:
+    """Whether this run's eval asks the capture service that streams its training's states, rather than loading the
+    target again: train.states=stream with eval to run, by the capture engine (eval.engine = extract.engine), one
+    that can answer it (`Capturing.answers_eval`), where the run owns its service (not one it joins)."""
+    capture = engines.get(cfg.extract.engine, engines.CAPTURE)
+    return (
+        cfg.train.states == "stream"
+        and cfg.train.stream.join is None
+        and "eval" in stages
+        and cfg.eval.engine == cfg.extract.engine
+        and capture.answers_eval
+    )
+
+
+def _service_for_eval(cfg: RootConfig, plan: Plan, stages: list[str]):
+    """The run's capture service, started by this process (it stops when this process ends): the training job reads
+    its states from it (when it runs), then the eval job asks it for the live target. Returns the service and the
+    config both jobs run with (`train.stream.join`)."""
+    spool = stream_mod.spool_dir(cfg, Path(plan.run_dir) / "stream")
+    spec = stream_mod.StreamSpec.of(cfg, plan, os.getpid())
+    trainers = [Path(plan.run_dir).name] if "train" in stages else []
+    service = stream_mod.CaptureService(spool, spec).start(consumers=trainers, evals=[stream_mod.eval_consumer(plan)])
+    joined = copy.deepcopy(cfg)
+    joined.train.stream.join = str(spool)
+    return service, joined
 
 
 def own_stream_job(cfg: RootConfig) -> bool:

@@ -311,6 +311,12 @@ class Endpoint:
         )
 
 
+def regenerated_path(folder: Path, split: str, index: int) -> Path:
+    """Where an extraction (or the shared store of the target's answers, `pipeline.make_plan`) keeps a shard's
+    regenerated sequences."""
+    return Path(folder) / split / f"regenerated_{index:05d}.safetensors"
+
+
 def keep_regenerated(path: Path, rendered: list[Rendered]) -> None:
     """A shard's regenerated sequences in `path` (input_ids int32[T], seq_lens and response_lens int32[n]), written
     whole or not at all, so that a restarted extraction reads them back (`read_regenerated`) instead of generating

@@ -561,7 +561,7 @@ class Study:
         outcome (a point known already or rejected leaves at once), and the service stops with the group."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from orchestrator.pipeline import make_plan
+        from orchestrator.pipeline import eval_in_service, make_plan
         from orchestrator.states import stream
 
         asked = self.ask_distinct(k)
@@ -569,14 +569,17 @@ class Study:
         spool = stream.spool_dir(cfg, self.folder / "stream")
         spec = stream.StreamSpec.of(cfg, make_plan(cfg, self.folder / "extract"), os.getpid())
         names = [f"{t.number:04d}" for t in asked]
+        # each trial's eval asks the service too (the target loaded once for the group), where the engine can answer
+        evals = [f"{name}.eval" for name in names] if eval_in_service(cfg, list(cfg.stages)) else []
         print(f"[search] trials {[t.number for t in asked]} read one capture service: {spool}")
-        service = stream.CaptureService(spool, spec).start(consumers=names)
+        service = stream.CaptureService(spool, spec).start(consumers=names, evals=evals)
 
         def one(trial, name: str) -> None:
             try:
                 self.settle(trial, lambda: self.trial(trial, wait=False, join=spool))
             finally:
                 stream.unregister(spool, name)
+                stream.unregister(spool, f"{name}.eval")
 
         try:
             with ThreadPoolExecutor(max_workers=k, thread_name_prefix="trial") as pool:

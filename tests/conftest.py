@@ -135,6 +135,8 @@ def fast_cache(outputs, tmp_path_factory, worker_id):
         run_pipeline(cfg, run_dir)
         plan = make_plan(cfg, run_dir)
         folders = [tiny_target_dir(cfg.target, shared, cfg.seed)] + [plan.dir(stage) for stage in stages]
+        if "extract" in stages:  # the target's answers, which the extract stage shares (`plan.dir("regenerated")`)
+            folders.append(plan.dir("regenerated"))
         for folder in folders:
             mine = outputs / folder.relative_to(shared)
             if not mine.exists():  # finished: run_pipeline returned; copied whole, then renamed into place
@@ -269,7 +271,7 @@ def fake_engine_env(dest: Path, **versions: str) -> str:
     return str(python)
 
 
-def copy_cache(source: Path, dest: Path, parts=("targets", "extract")) -> Path:
+def copy_cache(source: Path, dest: Path, parts=("targets", "extract", "regenerated")) -> Path:
     """The cache folders `parts` of outputs folder `source` copied into `dest` (locks and in-flight job records
     left behind): a fresh outputs folder in which those stages are cached."""
     import shutil

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import compose_config
+import torch
+from conftest import compose_config, copy_cache
 from safetensors.torch import load_file
 from test_config import compose_root
 
@@ -15,7 +16,7 @@ from orchestrator.config import ConfigError
 from orchestrator.data import conversations, prompt_ids
 from orchestrator.engines import client, server_command
 from orchestrator.engines.sglang import cli as sglang_engine
-from orchestrator.pipeline import run_pipeline
+from orchestrator.pipeline import make_plan, run_pipeline, stage_keys
 from orchestrator.regenerate import Endpoint, RegenerateError, regenerate
 from orchestrator.targets import ensure_target, load_target
 
@@ -323,3 +324,28 @@ def test_an_earlier_answer_goes_back_without_its_thinking_as_kimis_template_rend
         history, chat_template=template, tokenize=False, add_generation_prompt=True
     )
     assert "<think></think>42" in rendered and "the user wants" not in rendered
+
+
+def test_an_extraction_of_other_layers_reuses_the_targets_answers(fast_cache, tmp_path, monkeypatch):
+    """A second extraction of the same data by the same target, at other layers (a layer search's union) or with
+    its train split streamed, reads the answers the first one generated instead of generating them again: the
+    regeneration is keyed by what decides the answers alone. A setting that changes them generates again."""
+    outputs = copy_cache(fast_cache("extract"), tmp_path / "outputs")
+    first_cfg = compose_config(outputs, "cluster=debug", "stages=[extract]")
+    first = make_plan(first_cfg, tmp_path / "first")
+    generated = []
+    monkeypatch.setattr("orchestrator.stages.extract.regenerate", lambda *a, **k: generated.append(a) or [])
+    for overrides in (["extract.extra_layers=[5]"], ["train.states=stream"]):
+        cfg = compose_config(outputs, "cluster=debug", "stages=[extract]", *overrides)
+        plan = make_plan(cfg, tmp_path / "again")
+        assert plan.dir("extract") != first.dir("extract") and plan.dir("regenerated") == first.dir("regenerated")
+        run_pipeline(cfg, tmp_path / "again")
+        assert generated == [], overrides
+        for shard in sorted(first.dir("extract").glob("*/shard_*.safetensors")):
+            ours = load_file(str(plan.dir("extract") / shard.relative_to(first.dir("extract"))))
+            theirs = load_file(str(shard))
+            for key in ("input_ids", "loss_mask", "seq_lens"):
+                assert torch.equal(ours[key], theirs[key]), (overrides, shard.name, key)
+    other = compose_config(outputs, "data.regenerate.max_new_tokens=16")
+    assert stage_keys(other)["regenerated"] != first.stage_keys["regenerated"]
+    assert "regenerated" not in stage_keys(compose_config(outputs, "data.regenerate.enabled=false"))

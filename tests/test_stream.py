@@ -327,6 +327,7 @@ def test_a_searchs_trials_share_one_capture_pass_per_epoch(both, tmp_path):
     log = (folder / "stream" / "service.log").read_text()
     assert re.findall(r"epoch (\d+): captured (\d+) sequences, replayed 0", log) == [("0", "96"), ("1", "32")], log
     assert log.count("[stream] capturing") == 1, log
+    assert "answered 6 eval requests on the target loaded here" in log, "each trial's eval asked the service"
     study = optuna.load_study(study_name=name, storage=f"sqlite:///{folder / 'optuna.db'}")
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(complete) == 3 and len({tuple(t.user_attrs["aux_layers"]) for t in complete}) == 3
@@ -423,3 +424,30 @@ def test_a_consumer_declaring_again_beside_another_stops_the_shared_service_with
         assert service.proc.wait(timeout=30) == 3
     finally:
         service.stop()
+
+
+def test_eval_asks_the_capture_service_that_trained_the_draft_and_measures_what_its_own_target_does(
+    both, fast_cache, tiny_config, tmp_path
+):
+    """train.states=stream with eval to run: the run's driver starts the capture service, the training job reads its
+    states from it, and the eval job asks it for the live target (served states, greedy tokens, continuations)
+    instead of loading the target again. The draft is the offline one bit for bit (above), and eval's measurements
+    equal those of an eval that loaded the target itself for it (the session's FAST eval, HF in float32)."""
+    cfg, _, _ = both["stream"]
+    own = fast_cache("extract", "train", "eval")  # the offline draft's eval, by a target loaded in the eval job
+    outputs = copy_cache(cfg.outputs, tmp_path / "outputs")  # the target, the extraction, the answers: not the draft
+    run = compose_config(outputs, "stages=[extract,train,eval]", "cluster=local", "train.states=stream",
+                         f"train.stream.buffer_bytes={BUFFER}")  # fmt: skip
+    summary = run_pipeline(run, tmp_path / "run")
+    log = (tmp_path / "run" / "stream" / "service.log").read_text()
+    assert log.count("[stream] capturing") == 1 and "answered 2 eval requests on the target loaded here" in log, log
+    jobs = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "run" / "jobs").glob("*_log.out"))
+    assert "[eval] the live target is the capture service's" in jobs
+    ours = json.loads((make_plan(run, tmp_path / "run").dir("eval") / "eval.json").read_text())
+    theirs_plan = make_plan(tiny_config("cluster=local", "stages=[extract,train,eval]"), tmp_path / "own")
+    theirs = json.loads((own / theirs_plan.dir("eval").relative_to(cfg.outputs) / "eval.json").read_text())
+    assert "in the capture service" in ours["engine"] and "capture service" not in theirs["engine"]
+    differ = {k for k in theirs if ours.get(k) != theirs[k]}
+    assert differ == {"engine"}, {k: (ours.get(k), theirs[k]) for k in differ}
+    assert summary["stages"]["eval"]["expected_accept_length"] == ours["expected_accept_length"]
+    assert not list((tmp_path / "run" / "stream" / "consumers").iterdir()), "training and eval left the service"

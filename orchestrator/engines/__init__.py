@@ -233,6 +233,9 @@ class Capturing(Engine):
 
     # Whether its capture can answer each prompt and capture prompt plus answer in one request (one_pass).
     generates: bool = False
+    # Whether the capture a streaming service keeps open (`open_stream`) can also be the eval stage's live target
+    # (its `evaluator(layers)`, as `open_eval` gives it): a run's eval then asks the service that trained its draft.
+    answers_eval: bool = False
 
     def check_capture(self, cfg: RootConfig) -> None:
         """extract.* as this engine captures, before any job; raises ConfigError naming the key."""

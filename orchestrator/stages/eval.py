@@ -26,6 +26,7 @@ from orchestrator.data import conversations, prompt_ids
 from orchestrator.draft import export as draft_export
 from orchestrator.draft.served import served_draft_dir
 from orchestrator.results import EvalResult
+from orchestrator.states import stream
 from orchestrator.states.shards import load_split
 from orchestrator.targets import tokenizer_hash
 
@@ -227,7 +228,10 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> EvalResult:
         )
         measured |= {"mismatch": True, "mismatch_flags": flags}
     else:
-        live = engine.open_eval(cfg, Path(plan.target_dir), layers, compute, out / "engine")
+        # the capture service that trained the draft, where the run registered eval with it; else its own
+        live = stream.open_eval(cfg, plan, layers, compute) or engine.open_eval(
+            cfg, Path(plan.target_dir), layers, compute, out / "engine"
+        )
         try:
             measured |= _measured(cfg, (live, draft), (extract_dir, manifest), prov, compute)
         finally:

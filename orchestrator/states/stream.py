@@ -62,6 +62,7 @@ STOP = "stop"
 LOG = "service.log"
 CONSUMERS = "consumers"
 READS = "reads"
+EVAL = "eval"
 HEARTBEAT_S = 2.0
 POLL_S = 0.02
 
@@ -198,6 +199,7 @@ def serve(spool: Path, log: Path | None = None) -> int:
     precision = compute_mod.resolve_precision(cfg.extract.precision, gpus)
     devices = tuple(torch.device("cuda", i) for i in range(gpus)) or (torch.device("cpu"),)
     compute = compute_mod.Compute(devices=devices, dtype=compute_mod.DTYPES[precision])
+    status.update(dtype=str(compute.dtype))  # what an eval consumer compares its own with (`open_eval`)
     layers = list(manifest["aux_layers"])
     # the extract stage's capture engine, kept open: HF loads the target here, vLLM starts its engine
     capture = engines.get(cfg.extract.engine, engines.CAPTURE).open_stream(
@@ -221,10 +223,13 @@ def _capture(spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens
             if found is None:
                 status.update(state="stopped")
                 return 3
+            if not found:  # no trainer: eval consumers alone
+                return _answer_evals(spool, spec, parent, status, capture, 0)
             declared = {name: c["declared"] for name, c in found.items()}
             start, total = min(c["steps"][0] for c in found.values()), max(c["steps"][1] for c in found.values())
         try:
-            return _capture_steps(spool, spec, parent, status, tokens, capture, replay, start, total, declared)
+            code = _capture_steps(spool, spec, parent, status, tokens, capture, replay, start, total, declared)
+            return _answer_evals(spool, spec, parent, status, capture, code)
         except _Conflict as why:
             print(f"[stream] {why}: stopping", flush=True)
             status.update(state="stopped")
@@ -281,6 +286,45 @@ def _capture_steps(
     status.update(state="done")
     print(f"[stream] done: {status.values['sequences']} sequences, {status.values['tokens']} tokens")
     return 0
+
+
+def _answer_evals(spool: Path, spec: StreamSpec, parent: int, status: _Status, capture, code: int) -> int:
+    """Once the trainers are done: the eval stage's live target for each eval consumer (`StreamEval`), on the
+    target loaded here, until every one has ended. Each request (`eval/<name>.request`: served states or greedy
+    continuations, at the layers serving captures) is answered by the capture engine's own evaluator (the one
+    `Capturing.open_eval` gives; HF's on the model loaded here) in `eval/<name>.answer`, or with the error that
+    stopped it. `code`: the steps' outcome, returned when no eval consumer waits."""
+    folder, evaluators, answered = spool / EVAL, {}, 0
+    folder.mkdir(exist_ok=True)
+    while not (spool / STOP).exists() and _trainer_alive(spec, parent):
+        if not _role(_live_consumers(spool, spec), "eval"):
+            break
+        if status.values["state"] != "answering eval":
+            status.update(state="answering eval")
+        for request in sorted(folder.glob("*.request")):
+            asked = pickle.loads(request.read_bytes())
+            try:
+                layers = tuple(asked["layers"])
+                if layers not in evaluators:
+                    evaluators[layers] = capture.evaluator(list(layers))
+                live = evaluators[layers]
+                if asked["kind"] == "served":
+                    answer = [(aux.cpu(), best.cpu()) for aux, best in live.served(asked["sequences"])]
+                else:
+                    got = live.continuations(asked["prompts"], asked["max_new"])
+                    answer = [(n, sequence, aux.cpu()) for n, sequence, aux in got]
+                reply = {"answer": answer, "engine": live.describe()}
+            except Exception as exc:  # the consumer fails naming it, rather than waiting
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"[stream] eval request {request.stem} failed: {reply['error']}", flush=True)
+            with atomic_path(request.with_suffix(".answer")) as tmp:
+                tmp.write_bytes(pickle.dumps(reply))
+            request.unlink()
+            answered += 1
+        time.sleep(POLL_S)
+    if answered:
+        print(f"[stream] answered {answered} eval requests on the target loaded here", flush=True)
+    return code
 
 
 class _Passes:
@@ -350,12 +394,14 @@ def _wait_for_room(
 # ---- consumers of a shared service (a layer search's trials; a Slurm job's trainer) ------------------------------
 
 
-def register(spool: Path, consumer: str) -> None:
-    """`consumer` will read every file from the step it declares on: none is deleted before it has read it."""
+def register(spool: Path, consumer: str, role: str = "train") -> None:
+    """`consumer` will read every file from the step it declares on: none is deleted before it has read it. An
+    `eval` consumer reads no file: it asks the service for the eval stage's live target (`StreamEval`), and the
+    service stays up, once its trainers are done, until every eval consumer has ended."""
     folder = Path(spool) / CONSUMERS
     folder.mkdir(parents=True, exist_ok=True)
     with atomic_path(folder / f"{consumer}.json") as tmp:
-        tmp.write_text(json.dumps({"steps": None, "declared": None}))
+        tmp.write_text(json.dumps({"steps": None, "declared": None, "role": role}))
 
 
 def declare(spool: Path, consumer: str, start_step: int, total_steps: int) -> None:
@@ -366,8 +412,9 @@ def declare(spool: Path, consumer: str, start_step: int, total_steps: int) -> No
     if not path.exists():
         raise StreamError(f"train.stream.join={spool}: no consumer {consumer!r} is registered with that service")
     (Path(spool) / READS / consumer).mkdir(parents=True, exist_ok=True)
+    record = json.loads(path.read_text())
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps({"steps": [start_step, total_steps], "declared": time.time()}))
+        tmp.write_text(json.dumps(record | {"steps": [start_step, total_steps], "declared": time.time()}))
 
 
 def note_job(spool: Path, consumer: str, folder: Path, job_id: str) -> None:
@@ -434,10 +481,15 @@ def _declared_steps(spool: Path, spec: StreamSpec, parent: int, status: _Status)
         declared = _live_consumers(spool, spec)
         if not declared:
             return None
-        if all(c["steps"] is not None for c in declared.values()):
-            return declared
+        trainers = _role(declared, "train")  # empty: eval consumers alone (the draft was trained already)
+        if all(c["steps"] is not None for c in trainers.values()):
+            return trainers
         time.sleep(POLL_S * 5)
     return None
+
+
+def _role(found: dict[str, dict[str, Any]], role: str) -> dict[str, dict[str, Any]]:
+    return {name: c for name, c in found.items() if c.get("role", "train") == role}
 
 
 def _live_consumers(spool: Path, spec: StreamSpec) -> dict[str, dict[str, Any]]:
@@ -475,7 +527,7 @@ def _collect(spool: Path, spec: StreamSpec, began: dict[str, float]) -> bool:
     """Deletes the files every consumer has read (or starts past); False when no consumer is left. Raises `_Rewind`
     when a consumer has declared since the service began (`began`: each consumer's declaration then), `_Conflict`
     when others read meanwhile."""
-    declared = _live_consumers(spool, spec)
+    declared = _role(_live_consumers(spool, spec), "train")
     if not declared:
         return False
     if any(c["steps"] is None for c in declared.values()):  # registered late: it may need any file
@@ -507,9 +559,10 @@ def _collect(spool: Path, spec: StreamSpec, began: dict[str, float]) -> bool:
 # ---- the trainer's side ----------------------------------------------------------------------------------------
 
 
-def prepare(spool: Path, spec: StreamSpec, consumers: Iterable[str] = ()) -> None:
+def prepare(spool: Path, spec: StreamSpec, consumers: Iterable[str] = (), evals: Iterable[str] = ()) -> None:
     """The spool emptied of an earlier run's files (a resumed trainer asks from its cursor on; the replayed first
-    epoch is kept), the `consumers` of a shared service registered, and the service's spec written."""
+    epoch is kept), the `consumers` of a shared service registered, and its eval consumers (`evals`), and the
+    service's spec written."""
     spool = Path(spool)
     spool.mkdir(parents=True, exist_ok=True)
     for entry in spool.iterdir():
@@ -518,6 +571,8 @@ def prepare(spool: Path, spec: StreamSpec, consumers: Iterable[str] = ()) -> Non
         shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     for name in consumers:
         register(spool, name)
+    for name in evals:
+        register(spool, name, role="eval")
     (spool / SPEC).write_bytes(pickle.dumps(spec))
 
 
@@ -541,10 +596,10 @@ class CaptureService:
     def log(self) -> Path:
         return self.spool / LOG
 
-    def start(self, consumers: Iterable[str] = ()) -> CaptureService:
-        """Starts the service on an emptied spool; a shared one (`StreamSpec.shared`) with its `consumers`
-        registered first."""
-        prepare(self.spool, self.spec, consumers)
+    def start(self, consumers: Iterable[str] = (), evals: Iterable[str] = ()) -> CaptureService:
+        """Starts the service on an emptied spool; a shared one (`StreamSpec.shared`) with its `consumers` and its
+        eval consumers (`evals`) registered first."""
+        prepare(self.spool, self.spec, consumers, evals)
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "orchestrator.states.stream", str(self.spool)],
@@ -637,31 +692,7 @@ class StreamedSplit:
         return int(position) >= self.start_position and not (self.spool / READS / self.consumer / position).exists()
 
     def _check_alive(self, index: int) -> None:
-        status = read_status(self.spool)
-        log = self.service.log if self.service else Path(status["log"]) if status else self.spool / LOG
-        proc = self.service.proc if self.service else None
-        if proc is not None and proc.poll() is not None:
-            raise StreamError(
-                f"the capture service (pid {proc.pid}) exited with code {proc.returncode} before sequence {index} "
-                f"was streamed; its log: {log}\n{_tail(log)}"
-            )
-        if status and proc is None and status.get("host") == socket.gethostname() and not _pid_alive(status["pid"]):
-            raise StreamError(
-                f"the capture service (pid {status['pid']}) has exited before sequence {index} was streamed; "
-                f"its log: {log}\n{_tail(log)}"
-            )
-        if status and status.get("state") == "stopped":
-            raise StreamError(
-                f"the capture service stopped before sequence {index} was streamed (it saw no consumer left, was "
-                f"asked to stop, or could not serve every consumer: the log says which); its log: {log}\n{_tail(log)}"
-            )
-        beat = status["heartbeat"] if status else self.opened
-        if time.time() - beat > self.stall_timeout_s:
-            raise StreamError(
-                f"the capture service has given no sign of life for {time.time() - beat:.0f} s "
-                f"(train.stream.stall_timeout_s={self.stall_timeout_s}) while sequence {index} was awaited; "
-                f"its log: {log}\n{_tail(log)}"
-            )
+        check_service(self.spool, self.service, f"sequence {index}", "streamed", self.stall_timeout_s, self.opened)
 
     def report(self) -> dict[str, Any]:
         """What the stream cost: the trainer's wait, the service's capture rate, the spool's peak against the
@@ -678,6 +709,113 @@ class StreamedSplit:
             "replay_bytes_used": status.get("replay_bytes_used", 0),
             "peak_spool_bytes": status.get("peak_spool_bytes", 0),
         }
+
+
+def check_service(
+    spool: Path, service: CaptureService | None, awaited: str, done: str, stall_timeout_s: float, opened: float
+) -> None:
+    """Raises `StreamError` naming the service's log when the service a consumer waits on for `awaited` has exited,
+    stopped, or given no heartbeat for `stall_timeout_s` (since `opened` before its first). `service`: the one this
+    process started, whose exit is seen at once; else the status tells (its pid on this host)."""
+    status = read_status(spool)
+    log = service.log if service else Path(status["log"]) if status else spool / LOG
+    proc = service.proc if service else None
+    if proc is not None and proc.poll() is not None:
+        raise StreamError(
+            f"the capture service (pid {proc.pid}) exited with code {proc.returncode} before {awaited} was {done}; "
+            f"its log: {log}\n{_tail(log)}"
+        )
+    if status and proc is None and status.get("host") == socket.gethostname() and not _pid_alive(status["pid"]):
+        raise StreamError(
+            f"the capture service (pid {status['pid']}) has exited before {awaited} was {done}; "
+            f"its log: {log}\n{_tail(log)}"
+        )
+    if status and status.get("state") == "stopped":
+        raise StreamError(
+            f"the capture service stopped before {awaited} was {done} (it saw no consumer left, was "
+            f"asked to stop, or could not serve every consumer: the log says which); its log: {log}\n{_tail(log)}"
+        )
+    beat = status["heartbeat"] if status else opened
+    if time.time() - beat > stall_timeout_s:
+        raise StreamError(
+            f"the capture service has given no sign of life for {time.time() - beat:.0f} s "
+            f"(train.stream.stall_timeout_s={stall_timeout_s}) while {awaited} was awaited; "
+            f"its log: {log}\n{_tail(log)}"
+        )
+
+
+class StreamEval:
+    """The eval stage's live target (`Capturing.open_eval`'s interface) in the capture service that trained the
+    draft, so that the target is loaded once for training and eval: eval's requests go to the service
+    (`eval/<consumer>-<n>.request`), which answers them with its capture engine's evaluator on the target it holds
+    (`_answer_evals`) once its trainers are done. The tokenizer is read here (it is small)."""
+
+    def __init__(self, spool: Path, consumer: str, layers: list[int], tokenizer, stall_timeout_s: float):
+        self.spool, self.consumer, self.layers, self.tokenizer = Path(spool), consumer, list(layers), tokenizer
+        self.stall_timeout_s, self.opened, self.sent, self.engine = stall_timeout_s, time.time(), 0, None
+        declare(self.spool, consumer, 0, 0)
+        self.beat = _Beat(self.spool, consumer)
+
+    def _ask(self, kind: str, **what) -> list:
+        self.sent += 1
+        name = f"{self.consumer}-{self.sent:06d}"
+        folder = self.spool / EVAL
+        with atomic_path(folder / f"{name}.request") as tmp:
+            tmp.write_bytes(pickle.dumps({"kind": kind, "layers": self.layers} | what))
+        answer = folder / f"{name}.answer"
+        while not answer.exists():
+            check_service(self.spool, None, f"eval's request {name}", "answered", self.stall_timeout_s, self.opened)
+            time.sleep(POLL_S)
+        reply = pickle.loads(answer.read_bytes())
+        answer.unlink()
+        if "error" in reply:
+            log = (read_status(self.spool) or {}).get("log", self.spool / LOG)
+            raise StreamError(f"the capture service could not answer eval's request {name}: {reply['error']}; its "
+                              f"log: {log}")  # fmt: skip
+        self.engine = reply["engine"]
+        return reply["answer"]
+
+    def served(self, sequences: list[list[int]]):
+        return iter(self._ask("served", sequences=sequences))
+
+    def continuations(self, prompts: list[list[int]], max_new: int):
+        return iter(self._ask("continuations", prompts=prompts, max_new=max_new))
+
+    def describe(self) -> str:
+        return f"{self.engine}, in the capture service of train.states=stream ({self.spool})"
+
+    def close(self) -> None:
+        self.beat.stop()
+        unregister(self.spool, self.consumer)
+
+
+def eval_consumer(plan) -> str:
+    """The name a run's eval stage has among a capture service's consumers (its training's is the run's name)."""
+    return f"{Path(plan.run_dir).name}.eval"
+
+
+def open_eval(cfg, plan, layers: list[int], compute):
+    """The eval stage's live target in the capture service it was registered with (`train.stream.join`, by the
+    run's driver or a search's), or None: eval then loads the target itself. The service computes in the
+    extraction's precision, so an eval job that computes in another loads its own, saying so."""
+    from orchestrator.targets import load_tokenizer
+
+    join = cfg.train.stream.join
+    if (
+        cfg.train.states != "stream"
+        or join is None
+        or not (Path(join) / CONSUMERS / f"{eval_consumer(plan)}.json").exists()
+    ):
+        return None
+    status = read_status(Path(join)) or {}
+    if status.get("dtype") not in (None, str(compute.dtype)):
+        print(f"[eval] the capture service computes in {status['dtype']} and this job in {compute.dtype} "
+              "(extract.precision, eval.precision): the target is loaded here")  # fmt: skip
+        unregister(Path(join), eval_consumer(plan))
+        return None
+    tokenizer = load_tokenizer(Path(plan.target_dir), cfg.target.trust_remote_code, cfg.data.chat_template)
+    print(f"[eval] the live target is the capture service's ({join}): it is not loaded again")
+    return StreamEval(Path(join), eval_consumer(plan), layers, tokenizer, cfg.train.stream.stall_timeout_s)
 
 
 def _tail(path: Path, lines: int = 15) -> str:

@@ -17,6 +17,7 @@ from orchestrator.targets import load_target
 
 class HF(Capturing):
     name = "hf"
+    answers_eval = True
 
     def id_rule(self, family, version):
         raise LayerContractError("HF capture uses hook points, not ids: see layers.hf_capture_point")
@@ -65,10 +66,11 @@ class HFEval:
     """The live target loaded on the eval job's devices: the served states by forward hooks at the layer contract's
     capture points, the greedy tokens from its logits, the continuations from its `generate`."""
 
-    def __init__(self, cfg, target_path, layers, compute):
+    def __init__(self, cfg, target_path, layers, compute, loaded=None):
         self.layers, self.device = layers, compute.device
         remote, template = cfg.target.trust_remote_code, cfg.data.chat_template
-        self.model, self.tokenizer = load_target(target_path, remote, compute, template)
+        # `loaded`: the (model, tokenizer) a capture service holds already (`HFStream.evaluator`)
+        self.model, self.tokenizer = loaded or load_target(target_path, remote, compute, template)
 
     @torch.no_grad()
     def served(self, sequences):
@@ -101,7 +103,7 @@ class HFEval:
         return f"hf transformers {transformers.__version__}"
 
     def close(self) -> None:
-        del self.model
+        self.model = None
 
 
 class HFStream:
@@ -114,6 +116,10 @@ class HFStream:
 
     def states(self, rendered) -> list[SequenceStates]:
         return sequence_states(self.model, self.tokenizer, rendered, self.layers, self.cfg, self.compute)
+
+    def evaluator(self, layers) -> HFEval:
+        """The eval stage's live target at the served `layers` (`Capturing.open_eval`), on the model loaded here."""
+        return HFEval(self.cfg, None, layers, self.compute, loaded=(self.model, self.tokenizer))
 
     def close(self) -> None:
         pass

@@ -21,7 +21,7 @@ from orchestrator.config.schema import one_pass
 from orchestrator.data import prompt_ids
 from orchestrator.engines import CaptureJob
 from orchestrator.engines.vllm import cli
-from orchestrator.regenerate import Rendered, keep_regenerated, one_pass_rendered
+from orchestrator.regenerate import Rendered, keep_regenerated, one_pass_rendered, regenerated_path
 from orchestrator.states.assemble import Assembler
 from orchestrator.states.shards import pack
 from orchestrator.states.teacher import TeacherHead
@@ -76,7 +76,7 @@ class VLLMCapture:
             r, eos = self.cfg.data.regenerate, self.tokenizer.eos_token_id
             answers = zip(prompts, report["generated"], strict=True)
             kept = [one_pass_rendered(p, g, r.max_new_tokens, eos, self.cfg.data.max_seq_len) for p, g in answers]
-            keep_regenerated(self.job.out / split / f"regenerated_{index:05d}.safetensors", kept)
+            keep_regenerated(regenerated_path(self.job.out, split, index), kept)
         self.files[(split, index)] = report["files"]
         how = ", each answer generated in the same request" if generates else ""
         print(f"[extract] vLLM {report['vllm_version']} captured {split} shard {index}: {len(prompts)} sequences{how}")
@@ -85,7 +85,7 @@ class VLLMCapture:
         """The shard's request: with one pass, its prompts, answered greedily and captured with the answers
         (`include_output_tokens`); else its rendered sequences, or the one-pass sequences a killed run kept."""
         r, max_len = self.cfg.data.regenerate, self.cfg.data.max_seq_len
-        kept = self.job.out / split / f"regenerated_{index:05d}.safetensors"
+        kept = regenerated_path(self.job.out, split, index)
         generates = one_pass(self.cfg) and not kept.exists()
         if generates:
             prompts = [prompt_ids(self.tokenizer, c, max(1, max_len - 1)) for c in self.job.shards[split][index]]
