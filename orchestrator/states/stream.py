@@ -381,7 +381,7 @@ def _wait_for_room(
         if (spool / STOP).exists() or not _trainer_alive(spec, parent):
             return False
         if spec.shared and not _collect(spool, spec, declared):
-            print("[stream] every consumer has ended: stopping", flush=True)
+            print("[stream] every trainer has ended: stopping", flush=True)
             return False
         used = spool_bytes(spool)
         if used == 0 or used + size <= spec.buffer_bytes:
