@@ -497,7 +497,10 @@ def run_pipeline(
         if "extract" in cfg.stages:  # what each extract task runs, checked by the engine where it can
             print_regenerate_command(cfg, plan)
             engines.get(cfg.extract.engine, engines.CAPTURE).print_capture(cfg, plan)
-        if "eval" in cfg.stages:  # what the eval job runs as its live target, checked by the engine where it can
+        if "eval" in cfg.stages and eval_in_service(cfg, list(cfg.stages)):
+            print("[eval] live target: the capture service that streams train's states answers eval after training "
+                  "(the target is loaded once; docs/streaming.md#eval-through-the-service)")  # fmt: skip
+        elif "eval" in cfg.stages:  # what the eval job runs as its live target, checked by the engine where it can
             engines.get(cfg.eval.engine, engines.CAPTURE).print_eval(cfg, plan)
         if "serve" in cfg.stages:
             print_serve_commands(cfg, plan)
@@ -524,7 +527,9 @@ def run_pipeline(
     jobs: list[tuple[str, Any]] = []
     dependency: str | None = None
     finalizer = None  # the job that writes the summary and closes the MLflow run, once submitted
-    shared = None  # (service, config joining it): train's capture service, kept up for eval (`_service_for_eval`)
+    # (service, config joining it): the capture service the eval job asks (`eval_in_service`), started by this process
+    # (a local run's, `_service_for_eval`) or a Slurm job of its own (None here: it stops with its consumers)
+    shared = None
     try:
         for entry in plan.stages:
             stage = entry["stage"]
@@ -549,12 +554,17 @@ def run_pipeline(
                 submitted = time.time()
                 stage_cfg, after_start = cfg, None
                 if stage in ("train", "eval") and blocking and eval_in_service(cfg, [e["stage"] for e in todo]):
+                    # a local run's service, started here for its training and its eval
                     shared = shared or _service_for_eval(cfg, plan, [e["stage"] for e in todo])
                     stage_cfg = shared[1]
                 if stage == "train" and own_stream_job(cfg):  # the capture service as a Slurm job of its own
-                    service, stage_cfg = _submit_stream_service(cfg, plan, jobs, dependency)
+                    evals = eval_in_service(cfg, [e["stage"] for e in todo])  # kept up for the eval job too
+                    service, stage_cfg = _submit_stream_service(cfg, plan, jobs, dependency, evals)
                     jobs.append(("stream", service))
                     after_start = [service.job_id]
+                    shared = (None, stage_cfg) if evals else None
+                if stage == "eval" and shared is not None and not blocking:  # asks the service job (registered)
+                    stage_cfg = shared[1]
                 job = _submit_or_cancel(
                     stage,
                     jobs,
@@ -576,6 +586,9 @@ def run_pipeline(
                 finalizer = job if entry is todo[-1] else finalizer
                 if after_start:  # the service watches the job that will read from it
                     stream_mod.note_job(Path(stage_cfg.train.stream.join), Path(plan.run_dir).name,
+                                        Path(plan.run_dir) / "jobs", job.job_id)  # fmt: skip
+                if stage == "eval" and shared is not None and not blocking:  # and the eval job that will ask it
+                    stream_mod.note_job(Path(stage_cfg.train.stream.join), stream_mod.eval_consumer(plan),
                                         Path(plan.run_dir) / "jobs", job.job_id)  # fmt: skip
                 jobs.append((stage, job))
                 print(f"[{stage}] submitted job {job.job_id} ({cfg.cluster.kind})")
@@ -608,7 +621,7 @@ def run_pipeline(
         tracker.fail(f"{type(exc).__name__}: {exc}")
         raise
     finally:
-        if shared is not None:
+        if shared is not None and shared[0] is not None:  # this process's service (a local run's)
             shared[0].stop()
     print_summary(summary)
     return summary
@@ -648,19 +661,25 @@ def own_stream_job(cfg: RootConfig) -> bool:
     return cfg.cluster.kind == "slurm" and cfg.train.states == "stream" and cfg.train.stream.join is None
 
 
-def _submit_stream_service(cfg: RootConfig, plan: Plan, jobs: list, dependency: str | None):
+def _submit_stream_service(cfg: RootConfig, plan: Plan, jobs: list, dependency: str | None, evals: bool = False):
     """The capture service as a job with the extraction's resources, after the extraction (it reads the token ids),
     and the training's config joining it (`train.stream.join`) as its one registered consumer. The training job
     waits for it to start (`--dependency=after:`), so that its GPUs never idle in the queue while the service's
     wait; the two are dependent jobs, not one heterogeneous job, because submitit submits one job per call, and a
     chain of dependent jobs is what the rest of the pipeline is. The service stops when its consumer unregisters,
-    or gives no heartbeat for train.stream.stall_timeout_s (a trainer killed or cancelled)."""
+    or gives no heartbeat for train.stream.stall_timeout_s (a trainer killed or cancelled). With `evals`, the eval
+    job is registered too (`eval_in_service`), and the service answers it after the training, for as long as both
+    jobs may run."""
     spool = stream_mod.spool_dir(cfg, plan.dir("train") / "stream")
     spec = stream_mod.StreamSpec.of(cfg, plan, None)
-    stream_mod.prepare(spool, spec, consumers=[Path(plan.run_dir).name])
-    # the extraction's nodes, for as long as the training may run (it waits for the service, then reads from it)
+    stream_mod.prepare(
+        spool, spec, consumers=[Path(plan.run_dir).name], evals=[stream_mod.eval_consumer(plan)] if evals else []
+    )
+    # the extraction's nodes, for as long as the training (and the eval) may run: they wait for the service, then
+    # read from it
+    served_min = cfg.train.resources.timeout_min + (cfg.eval.resources.timeout_min if evals else 0)
     resources = dataclasses.replace(
-        cfg.extract.resources, timeout_min=max(cfg.extract.resources.timeout_min, cfg.train.resources.timeout_min)
+        cfg.extract.resources, timeout_min=max(cfg.extract.resources.timeout_min, served_min)
     )
     ex = runner.executor(
         cfg.cluster, Path(plan.run_dir) / "jobs", f"{cfg.run_name}-stream", resources, 1,

@@ -248,6 +248,7 @@ def test_the_kimi_dry_run_prices_the_stream(tmp_path):
         "capture service: a Slurm job of its own after extract, with extract.resources (1 node(s) x 8 GPU(s)); the "
         "train job (1 node(s) x 8 GPU(s)) starts once it has started (--dependency=after:)" in proc.stdout
     )
+    assert "[eval] live target: the capture service that streams train's states answers eval" in proc.stdout
     assert not list(tmp_path.rglob("jobs")), "a dry run submits nothing"
 
 

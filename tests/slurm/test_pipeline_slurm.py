@@ -469,8 +469,9 @@ def test_a_capture_service_job_of_its_own_killed_fails_the_training_naming_its_l
     """train.states=stream on Slurm: the capture service is a job of its own (`<run>-stream`, the extraction's
     resources) after the extraction, and the train job starts once it has started (--dependency=after:). Killed
     mid-training (SIGKILL through scancel), the run fails within 2 minutes, naming the service's job log, and the
-    train job fails on its own within train.stream.stall_timeout_s. The same command then resumes the training
-    from its checkpoint with a new service job, which captures from that step on, and every job completes."""
+    train job fails on its own within train.stream.stall_timeout_s. The same command with eval then resumes the
+    training from its checkpoint with a new service job, which captures from that step on, then answers the eval
+    job's requests for its live target (the target loaded once for both), and every job completes."""
     args = ["+experiment=tiny_eagle3", *SLURM_FAST, "train.max_steps=24", "train.checkpoint_every=2",
             "stages=[extract,train]", "train.states=stream", "train.stream.buffer_bytes=300000",
             "train.stream.stall_timeout_s=15", "cluster.wait=true"]  # fmt: skip
@@ -493,12 +494,14 @@ def test_a_capture_service_job_of_its_own_killed_fails_the_training_naming_its_l
     train_log = next((run_dir / "jobs").glob(f"{trainer}_0_log.err")).read_text()
     assert "StreamError" in train_log and f"{service}_0_log.out" in train_log, train_log[-2000:]
 
-    rerun = cli(slurm_outputs, *args, timeout=900)
+    with_eval = [a.replace("stages=[extract,train]", "stages=[extract,train,eval]") for a in args]
+    rerun = cli(slurm_outputs, *with_eval, timeout=900)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert "capture service: a Slurm job of its own after extract, with extract.resources" in rerun.stdout
     (again,) = [d for d in (slurm_outputs / "runs").glob("*/*") if d != run_dir]
     jobs = run_jobs(again)
-    assert set(jobs) == {"stream", "train"} and set(wait_terminal(list(jobs.values())).values()) == {"COMPLETED"}
+    assert set(jobs) == {"stream", "train", "eval"}
+    assert set(wait_terminal(list(jobs.values())).values()) == {"COMPLETED"}
     from datetime import datetime
 
     times = {j: tuple(datetime.fromisoformat(t) for t in span) for j, span in sacct_times(list(jobs.values())).items()}
@@ -510,3 +513,6 @@ def test_a_capture_service_job_of_its_own_killed_fails_the_training_naming_its_l
     report = json.loads((again / "summary.json").read_text())["stages"]["train"]["stream"]
     assert report["captured_sequences"] == (24 - first) * 8 and 0 < report["peak_spool_bytes"] <= 300_000, report
     assert "service ended with code 0" in service_log, service_log[-2000:]
+    assert "answered 2 eval requests on the target loaded here" in service_log, service_log[-2000:]
+    eval_log = next((again / "jobs").glob(f"{jobs['eval']}_0_log.out")).read_text()
+    assert "[eval] the live target is the capture service's" in eval_log, eval_log[-2000:]
