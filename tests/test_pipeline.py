@@ -140,7 +140,7 @@ def test_a_sweep_measures_the_baseline_once(fast_cache, tmp_path):
     servers start (counted in its output), the three points' speedups divide by the one baseline, and each point's
     MLflow run names the run that measured it. The union of the points' layers is extracted once
     (extract.extra_layers)."""
-    outputs = copy_cache(fast_cache("extract"), tmp_path / "outputs", parts=("targets",))
+    outputs = copy_cache(fast_cache("extract"), tmp_path / "outputs", parts=("targets", "regenerated"))
     done = subprocess.run(
         [sys.executable, "-m", "orchestrator", "-m", "+experiment=tiny_eagle3", f"outputs_dir={outputs}", *FAST,
          "cluster=debug", *SWEEP],

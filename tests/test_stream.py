@@ -328,14 +328,15 @@ def test_a_searchs_trials_share_one_capture_pass_per_epoch(both, tmp_path):
     log = (folder / "stream" / "service.log").read_text()
     assert re.findall(r"epoch (\d+): captured (\d+) sequences, replayed 0", log) == [("0", "96"), ("1", "32")], log
     assert log.count("[stream] capturing") == 1, log
-    assert "answered 6 eval requests on the target loaded here" in log, "each trial's eval asked the service"
+    answered = int(re.search(r"answered (\d+) eval requests on the target loaded here", log).group(1))
     study = optuna.load_study(study_name=name, storage=f"sqlite:///{folder / 'optuna.db'}")
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(complete) == 3 and len({tuple(t.user_attrs["aux_layers"]) for t in complete}) == 3
     offline_cfg, offline, _ = both["offline"]
-    compared = 0
+    compared = asked = 0
     for t in complete:
         summary = json.loads((folder / "trials" / f"{t.number:04d}" / "summary.json").read_text())
+        asked += summary["stages"]["eval"]["sequences"] + offline_cfg.eval.prompts  # one request each
         report = summary["stages"]["train"]["stream"]
         assert report["captured_sequences"] == 128 and 0 < report["peak_spool_bytes"] <= 600_000, report
         if t.user_attrs["aux_layers"] == list(offline_cfg.aux_layers):
@@ -345,6 +346,7 @@ def test_a_searchs_trials_share_one_capture_pass_per_epoch(both, tmp_path):
             assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
             compared += 1
     assert compared == 1, "the baseline point is one of the trials"
+    assert answered == asked, "each trial's eval asked the service, for every sequence and prompt"
     assert not list((folder / "stream" / "consumers").iterdir()), "every trial left the group when it ended"
     experiment = search.split(raw)[1]
     experiment["train"]["states"] = "offline"
@@ -441,7 +443,8 @@ def test_eval_asks_the_capture_service_that_trained_the_draft_and_measures_what_
                          f"train.stream.buffer_bytes={BUFFER}")  # fmt: skip
     summary = run_pipeline(run, tmp_path / "run")
     log = (tmp_path / "run" / "stream" / "service.log").read_text()
-    assert log.count("[stream] capturing") == 1 and "answered 2 eval requests on the target loaded here" in log, log
+    asked = summary["stages"]["eval"]["sequences"] + run.eval.prompts  # one request a sequence and a prompt
+    assert log.count("[stream] capturing") == 1 and f"answered {asked} eval requests on the target loaded here" in log
     jobs = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "run" / "jobs").glob("*_log.out"))
     assert "[eval] the live target is the capture service's" in jobs
     ours = json.loads((make_plan(run, tmp_path / "run").dir("eval") / "eval.json").read_text())

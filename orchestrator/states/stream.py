@@ -775,11 +775,16 @@ class StreamEval:
         self.engine = reply["engine"]
         return reply["answer"]
 
+    # One request a sequence or prompt, asked as eval reads the answers: an answer holds one sequence's states
+    # (at Kimi's shape and 8192 tokens, 350 MB in bf16 for three aux states), not the whole validation set's.
+
     def served(self, sequences: list[list[int]]):
-        return iter(self._ask("served", sequences=sequences))
+        for sequence in sequences:
+            yield from self._ask("served", sequences=[sequence])
 
     def continuations(self, prompts: list[list[int]], max_new: int):
-        return iter(self._ask("continuations", prompts=prompts, max_new=max_new))
+        for prompt in prompts:
+            yield from self._ask("continuations", prompts=[prompt], max_new=max_new)
 
     def describe(self) -> str:
         return f"{self.engine}, in the capture service of train.states=stream ({self.spool})"

@@ -82,8 +82,9 @@ def cli(outputs: Path, *args: str, timeout: float = 600) -> subprocess.Completed
 @pytest.fixture
 def slurm_outputs(fast_cache, tmp_path):
     """A fresh outputs folder holding a copy of the shared tiny target (built once for the session, on both CPUs,
-    not again in a 1-CPU job), so every stage runs as a job."""
-    return copy_cache(fast_cache("extract"), tmp_path / "outputs", ("targets",))
+    not again in a 1-CPU job) and of the target's regenerated answers (`outputs/cache/regenerated`), so every stage
+    runs as a job, and an extraction job captures without answering the prompts again."""
+    return copy_cache(fast_cache("extract"), tmp_path / "outputs", ("targets", "regenerated"))
 
 
 @pytest.fixture
@@ -93,7 +94,7 @@ def slurm_extracted(slurm_outputs, fast_cache):
     return copy_cache(fast_cache("extract"), slurm_outputs)
 
 
-def test_pipeline_runs_as_four_dependent_jobs(slurm_outputs, tiny_config, tmp_path):
+def test_pipeline_runs_as_four_dependent_jobs(slurm_outputs, fast_cache, tiny_config, tmp_path):
     from orchestrator.pipeline import run_pipeline
 
     fast_steps = next(o for o in FAST if o.startswith("train.max_steps"))  # every key the local FAST run's
@@ -108,9 +109,10 @@ def test_pipeline_runs_as_four_dependent_jobs(slurm_outputs, tiny_config, tmp_pa
     submitted = [line for line in proc.stdout.splitlines() if "submitted job" in line]
     assert len(submitted) == 4, proc.stdout
 
-    # The same experiment run locally, every stage computed in the session's shared outputs folder (its own
-    # extraction, not the Slurm jobs'), gives the same summary (extraction's determinism across processes and
-    # ranks: tests/test_distributed.py).
+    # The same experiment run locally, in the session's shared outputs folder (its own stages, not the Slurm jobs':
+    # the session's FAST extraction, draft and eval, computed once for every test, and a serve stage of its own),
+    # gives the same summary (extraction's determinism across processes and ranks: tests/test_distributed.py).
+    fast_cache("extract", "train", "eval")
     local = run_pipeline(tiny_config("cluster=local"), tmp_path / "local_run")
     assert_same_summary(summary, local)
 
@@ -513,6 +515,8 @@ def test_a_capture_service_job_of_its_own_killed_fails_the_training_naming_its_l
     report = json.loads((again / "summary.json").read_text())["stages"]["train"]["stream"]
     assert report["captured_sequences"] == (24 - first) * 8 and 0 < report["peak_spool_bytes"] <= 300_000, report
     assert "service ended with code 0" in service_log, service_log[-2000:]
-    assert "answered 2 eval requests on the target loaded here" in service_log, service_log[-2000:]
+    evaluated = json.loads((again / "summary.json").read_text())["stages"]["eval"]
+    asked = evaluated["sequences"] + 4  # one request a validation sequence and a serving prompt (serve.prompts=4)
+    assert f"answered {asked} eval requests on the target loaded here" in service_log, service_log[-2000:]
     eval_log = next((again / "jobs").glob(f"{jobs['eval']}_0_log.out")).read_text()
     assert "[eval] the live target is the capture service's" in eval_log, eval_log[-2000:]
