@@ -497,7 +497,10 @@ def run_pipeline(
         if "extract" in cfg.stages:  # what each extract task runs, checked by the engine where it can
             print_regenerate_command(cfg, plan)
             engines.get(cfg.extract.engine, engines.CAPTURE).print_capture(cfg, plan)
-        if "eval" in cfg.stages and eval_in_service(cfg, list(cfg.stages)):
+        answers_eval = "eval" in cfg.stages and eval_in_service(cfg, list(cfg.stages))
+        if cfg.train.states == "stream" and ("train" in cfg.stages or answers_eval):
+            engines.get(cfg.extract.engine, engines.CAPTURE).print_stream(cfg, plan, answers_eval)
+        if answers_eval:
             print("[eval] live target: the capture service that streams train's states answers eval after training "
                   "(the target is loaded once; docs/streaming.md#eval-through-the-service)")  # fmt: skip
         elif "eval" in cfg.stages:  # what the eval job runs as its live target, checked by the engine where it can
@@ -524,6 +527,7 @@ def run_pipeline(
     blocking = cfg.cluster.kind in ("local", "debug")
     job_seconds: dict[str, float] = {}  # blocking runs: each stage's job from submission to its end
     todo = [e for e in plan.stages if not e["cached"]]
+    asks_service = eval_in_service(cfg, [e["stage"] for e in todo])  # eval asks the service training streams from
     jobs: list[tuple[str, Any]] = []
     dependency: str | None = None
     finalizer = None  # the job that writes the summary and closes the MLflow run, once submitted
@@ -553,16 +557,16 @@ def run_pipeline(
                     continue
                 submitted = time.time()
                 stage_cfg, after_start = cfg, None
-                if stage in ("train", "eval") and blocking and eval_in_service(cfg, [e["stage"] for e in todo]):
+                if stage in ("train", "eval") and blocking and asks_service:
                     # a local run's service, started here for its training and its eval
                     shared = shared or _service_for_eval(cfg, plan, [e["stage"] for e in todo])
                     stage_cfg = shared[1]
                 if stage == "train" and own_stream_job(cfg):  # the capture service as a Slurm job of its own
-                    evals = eval_in_service(cfg, [e["stage"] for e in todo])  # kept up for the eval job too
-                    service, stage_cfg = _submit_stream_service(cfg, plan, jobs, dependency, evals)
+                    # kept up for the eval job too
+                    service, stage_cfg = _submit_stream_service(cfg, plan, jobs, dependency, asks_service)
                     jobs.append(("stream", service))
                     after_start = [service.job_id]
-                    shared = (None, stage_cfg) if evals else None
+                    shared = (None, stage_cfg) if asks_service else None
                 if stage == "eval" and shared is not None and not blocking:  # asks the service job (registered)
                     stage_cfg = shared[1]
                 job = _submit_or_cancel(
@@ -630,14 +634,15 @@ def run_pipeline(
 def eval_in_service(cfg: RootConfig, stages: list[str]) -> bool:
     """Whether this run's eval asks the capture service that streams its training's states, rather than loading the
     target again: train.states=stream with eval to run, by the capture engine (eval.engine = extract.engine), one
-    that can answer it (`Capturing.answers_eval`), where the run owns its service (not one it joins)."""
+    that can answer it (`Capturing.answers_eval`: HF's always, vLLM's where it captures the served layers), where
+    the run owns its service (not one it joins)."""
     capture = engines.get(cfg.extract.engine, engines.CAPTURE)
     return (
         cfg.train.states == "stream"
         and cfg.train.stream.join is None
         and "eval" in stages
         and cfg.eval.engine == cfg.extract.engine
-        and capture.answers_eval
+        and capture.answers_eval(cfg)
     )
 
 

@@ -195,6 +195,8 @@ class EvalResult(_Checked):
     accept_rate_by_position: list[float] | None = None
     mean_accepted_per_cycle: float | None = None
     sequences: int | None = None
+    # the served states' relative L2 distance from the trained ones (stages/eval.py, `text_accuracy`)
+    served_states_rel_diff: float | None = None
     train_val_acc: list[float | None] | None = None  # training's validation accuracies, by position
     engine: str | None = None  # what ran the live target (eval.engine, as installed)
     sequences_from: str | None = None  # what the validation sequences are (`stages.eval.sequences_from`)
@@ -203,7 +205,7 @@ class EvalResult(_Checked):
     _BY_POSITION: ClassVar[tuple[str, ...]] = ("acc", "full_acc", "trained_states_acc", "acc_gap", "acc_gap_se")
     _MEASURED: ClassVar[tuple[str, ...]] = (
         "expected_accept_length", "completion_tokens", "verify_passes", "accept_histogram", "accept_rate_by_position",
-        "mean_accepted_per_cycle", "sequences", "train_val_acc",
+        "mean_accepted_per_cycle", "sequences", "served_states_rel_diff", "train_val_acc",
     )  # fmt: skip
 
     def _flat(self) -> dict[str, Any]:

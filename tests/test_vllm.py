@@ -462,6 +462,21 @@ def test_the_kimi_dry_run_prints_a_vllm_capture_that_vllms_parser_accepts(vllm_p
     ids = json.loads(flags["--speculative-config"])["draft_model_config"]["hf_config"]
     assert ids == {"eagle_aux_hidden_state_layer_ids": [2, 30, 58, 61]}
     assert "[eval] vLLM's parser in" in out
+    # train.states=stream (the experiment's): the capture service's engine answers eval too, with room for its
+    # continuations, so the eval job never starts the 1T target again
+    from orchestrator.pipeline import eval_in_service
+
+    assert cfg.train.states == "stream" and eval_in_service(cfg, list(cfg.stages))
+    engines.get("vllm").print_stream(cfg, make_plan(cfg, tmp_path / "run"), True)
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("[stream] vLLM capture service"))
+    command = shlex.split(line.split(": ", 1)[1])
+    flags = dict(zip(command[4:], command[5:]))
+    assert flags["--tensor-parallel-size"] == "8" and flags["--mm-encoder-tp-mode"] == "data"
+    assert int(flags["--max-model-len"]) == cfg.data.max_seq_len + cfg.eval.max_new_tokens + 8
+    ids = json.loads(flags["--speculative-config"])["draft_model_config"]["hf_config"]
+    assert ids == {"eagle_aux_hidden_state_layer_ids": [2, 30, 58, 61]}
+    assert "[stream] vLLM's parser in" in out
 
 
 @pytest.mark.vllm

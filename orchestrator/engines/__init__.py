@@ -233,9 +233,6 @@ class Capturing(Engine):
 
     # Whether its capture can answer each prompt and capture prompt plus answer in one request (one_pass).
     generates: bool = False
-    # Whether the capture a streaming service keeps open (`open_stream`) can also be the eval stage's live target
-    # (its `evaluator(layers)`, as `open_eval` gives it): a run's eval then asks the service that trained its draft.
-    answers_eval: bool = False
 
     def check_capture(self, cfg: RootConfig) -> None:
         """extract.* as this engine captures, before any job; raises ConfigError naming the key."""
@@ -255,14 +252,34 @@ class Capturing(Engine):
     def open_capture(self, cfg: RootConfig, job: CaptureJob) -> Capture:
         raise NotImplementedError
 
-    def open_stream(self, cfg: RootConfig, target_path: Path, layers: list[int], compute, work: Path):
+    def open_stream(
+        self, cfg: RootConfig, target_path: Path, layers: list[int], compute, work: Path, answers_eval: bool = False
+    ):
         """The capture a streaming service keeps open (train.states=stream, orchestrator/states/stream.py): an object
         whose `states(rendered)` gives each rendered sequence's `SequenceStates` and whose `close()` ends it; `work`
-        is a folder of its own."""
+        is a folder of its own. With `answers_eval`, its `evaluator(layers)` is also the eval stage's live target at
+        the served layers, as `open_eval` gives it (`answers_eval`)."""
         raise NotImplementedError
+
+    def eval_layers(self, captured: list[int]) -> list[int] | None:
+        """The served layers the capture a streaming service keeps open can answer eval at (its `evaluator`), when
+        it captures `captured`: None for any, [] where it has no evaluator."""
+        return []
+
+    def answers_eval(self, cfg: RootConfig) -> bool:
+        """Whether the capture a streaming service keeps open can also be the eval stage's live target at the served
+        layers (`eval_layers`): a run's eval then asks the service that trained its draft, and the target is loaded
+        once."""
+        from orchestrator.config.schema import captured_layers as extracted
+
+        layers = self.eval_layers(extracted(cfg))
+        return layers is None or set(cfg.eval.layers) <= set(layers)
 
     def print_capture(self, cfg: RootConfig, plan) -> None:
         """The dry run: what each extract task will run, checked where the engine can check it."""
+
+    def print_stream(self, cfg: RootConfig, plan, answers_eval: bool) -> None:
+        """The dry run: what the capture service (train.states=stream) will run, checked where the engine can."""
 
     def check_eval(self, cfg: RootConfig) -> None:
         """eval.* as this engine runs the live target, before any job; raises ConfigError naming the key."""

@@ -50,14 +50,23 @@ def text_accuracy(draft, seqs, live, steps: int, device: torch.device) -> dict[s
 
     Both runs draft from their own tokens and are scored against the live target's greedy token, so the paired
     gap measures what serving feeds the draft differently from training, and nothing else: the same sequences,
-    the same positions, the same draft in the same dtype."""
+    the same positions, the same draft in the same dtype.
+
+    Beside them, `served_states_rel_diff`: how far the served states are from the trained ones, whatever the draft
+    makes of them (the relative L2 distance over every position and column, in float32). About 0 where serving
+    captures what training read (another engine's or precision's rounding aside); near 1 or more where it captures
+    other layers, even for a draft too weak for its accuracy to show it."""
     counts, live_right, ref_right, live_chain = (torch.zeros(steps, dtype=torch.float64) for _ in range(4))
+    squares = torch.zeros(2, dtype=torch.float64)  # sum of (served - trained)^2, sum of trained^2
     per_sequence = []  # (positions, sum of ref - live) per sequence and position k, for the noise
     for s, (served, target_argmax) in zip(seqs, live, strict=True):
         length = len(s.input_ids)
         ids = s.input_ids[None].to(device)
         valid = torch.ones(1, length - 1, dtype=torch.bool, device=device)
         aux = served[None, : length - 1].to(device)
+        if served.shape == s.aux.shape:
+            trained, fed = s.aux[: length - 1].float(), served[: length - 1].float()
+            squares += torch.stack([(fed - trained).pow(2).sum(), trained.pow(2).sum()]).double()
         live_tokens = [x[0].cpu() for x in draft.unroll(aux, ids[:, 1:], valid, steps).tokens]
         reference = [x[0].cpu() for x in draft.unroll(s.aux[None, :-1].to(device), ids[:, 1:], valid, steps).tokens]
         t = torch.arange(length - 1)
@@ -77,6 +86,7 @@ def text_accuracy(draft, seqs, live, steps: int, device: torch.device) -> dict[s
             d_seq[k] = (right_ref & mask).sum() - (right_live & mask).sum()
         per_sequence.append((n_seq, d_seq))
     out: dict[str, float] = {f"positions_{k}": int(counts[k]) for k in range(steps)}
+    out["served_states_rel_diff"] = float((squares[0] / squares[1]).sqrt()) if squares[1] > 0 else None
     n = counts.clamp(min=1)
     gap = (ref_right - live_right) / n
     # Standard error of the gap with sequences as the independent units (positions within a sequence are

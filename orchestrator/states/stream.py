@@ -201,10 +201,12 @@ def serve(spool: Path, log: Path | None = None) -> int:
     compute = compute_mod.Compute(devices=devices, dtype=compute_mod.DTYPES[precision])
     status.update(dtype=str(compute.dtype))  # what an eval consumer compares its own with (`open_eval`)
     layers = list(manifest["aux_layers"])
-    # the extract stage's capture engine, kept open: HF loads the target here, vLLM starts its engine
-    capture = engines.get(cfg.extract.engine, engines.CAPTURE).open_stream(
-        cfg, Path(spec.target_path), layers, compute, spool / "engine"
-    )
+    # the extract stage's capture engine, kept open: HF loads the target here, vLLM starts its engine (with the
+    # target's head, and room for eval's continuations, where an eval consumer is registered)
+    evals = bool(_role(consumers(spool), "eval"))
+    engine = engines.get(cfg.extract.engine, engines.CAPTURE)
+    status.update(eval_layers=engine.eval_layers(layers) if evals else [])  # what an eval consumer may ask for
+    capture = engine.open_stream(cfg, Path(spec.target_path), layers, compute, spool / "engine", answers_eval=evals)
     try:
         return _capture(spool, spec, parent, status, tokens, capture)
     finally:
@@ -812,10 +814,19 @@ def open_eval(cfg, plan, layers: list[int], compute):
         or not (Path(join) / CONSUMERS / f"{eval_consumer(plan)}.json").exists()
     ):
         return None
-    status = read_status(Path(join)) or {}
+    opened = time.time()  # the service says what it answers before its engine starts: a starting one is waited for
+    while "eval_layers" not in (status := read_status(Path(join)) or {}):
+        check_service(Path(join), None, "what it answers eval at", "known", cfg.train.stream.stall_timeout_s, opened)
+        time.sleep(POLL_S)
+    answerable = status["eval_layers"]
+    why = None
     if status.get("dtype") not in (None, str(compute.dtype)):
-        print(f"[eval] the capture service computes in {status['dtype']} and this job in {compute.dtype} "
-              "(extract.precision, eval.precision): the target is loaded here")  # fmt: skip
+        why = (f"the capture service computes in {status['dtype']} and this job in {compute.dtype} "
+               "(extract.precision, eval.precision)")  # fmt: skip
+    elif answerable is not None and not set(layers) <= set(answerable):
+        why = f"serving captures {layers} for the draft's config, and the capture service only {answerable}"
+    if why:
+        print(f"[eval] {why}: the target is loaded here")
         unregister(Path(join), eval_consumer(plan))
         return None
     tokenizer = load_tokenizer(Path(plan.target_dir), cfg.target.trust_remote_code, cfg.data.chat_template)

@@ -17,7 +17,6 @@ from orchestrator.targets import load_target
 
 class HF(Capturing):
     name = "hf"
-    answers_eval = True
 
     def id_rule(self, family, version):
         raise LayerContractError("HF capture uses hook points, not ids: see layers.hf_capture_point")
@@ -55,8 +54,12 @@ class HF(Capturing):
         )
         return HFCapture(model, tokenizer, job.layers, cfg, job.compute)
 
-    def open_stream(self, cfg, target_path, layers, compute, work):
+    def open_stream(self, cfg, target_path, layers, compute, work, answers_eval=False):
         return HFStream(cfg, target_path, layers, compute)
+
+    def eval_layers(self, captured):
+        """Any: the service's model is hooked where eval asks."""
+        return None
 
     def open_eval(self, cfg, target_path, layers, compute, work):
         return HFEval(cfg, target_path, layers, compute)

@@ -163,9 +163,26 @@ class VLLM(Serving, Capturing):
         cli.check_capture_args(cfg.extract.python, engine_args)
         print(f"[eval] vLLM's parser in {cfg.extract.python} accepts the engine arguments")
 
-    def open_stream(self, cfg, target_path, layers, compute, work):
+    def open_stream(self, cfg, target_path, layers, compute, work, answers_eval=False):
         self.check_installed(cfg, cfg.extract.python, "extract.python", cfg.extract.resources.gpus_per_node)
-        return capture.VLLMStream(cfg, target_path, layers, compute, work)
+        return capture.VLLMStream(cfg, target_path, layers, compute, work, answers_eval=answers_eval)
+
+    def eval_layers(self, captured):
+        """Those the service's extractor captures (the extraction's): eval reads their columns
+        (`VLLMStream.evaluator`). The service's engine then has room for eval's continuations."""
+        return list(captured)
+
+    def print_stream(self, cfg, plan, answers_eval):
+        """The capture service's engine command (the extraction's layers; with `answers_eval`, room for eval's
+        continuations), its arguments checked by vLLM's own parser. Its folder is shown for a spool in the train
+        stage's folder (a Slurm run's; a local run's is beside it)."""
+        work = Path(cfg.train.stream.spool or plan.dir("train") / "stream") / "engine" / "engine"
+        gpus = cfg.extract.resources.gpus_per_node // tasks_per_node(cfg, "extract")
+        engine_args = cli.extract_engine_args(cfg, plan.target_dir, work, gpus, answers_eval)
+        command = cli.capture_service_command(cfg.extract.python, work / "queue", engine_args)
+        print(f"[stream] vLLM capture service: {shlex.join(command)}")
+        cli.check_capture_args(cfg.extract.python, engine_args)
+        print(f"[stream] vLLM's parser in {cfg.extract.python} accepts the engine arguments")
 
 
 ENGINE = VLLM()

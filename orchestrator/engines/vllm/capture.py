@@ -5,6 +5,7 @@ answer arrives; and the same engine for a capture service that streams states to
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -255,15 +256,29 @@ class VLLMStream:
     """vLLM's extractor kept up for a capture service (train.states=stream, orchestrator/states/stream.py) or for
     eval (`VLLMEval`): one `CaptureEngine`, so a stalled or dead engine is restarted or fails as the extract stage's
     does (extract.request_timeout_s, startup_timeout_s, engine_restarts); each batch one request, its files
-    assembled as the extract stage assembles a shard's."""
+    assembled as the extract stage assembles a shard's. `answers_eval`: a service that answers its run's eval too
+    (`evaluator`): the target's head is loaded before the engine starts, and the engine has room for eval's
+    continuations."""
 
-    def __init__(self, cfg, target_path, layers, compute, work: Path, engine_args: list[str] | None = None):
-        self.work, self.layers, self.sent = Path(work), len(layers), 0
+    def __init__(
+        self, cfg, target_path, layers, compute, work: Path, engine_args: list[str] | None = None,
+        answers_eval: bool = False,
+    ):  # fmt: skip
+        self.cfg, self.target_path, self.compute = cfg, target_path, compute
+        self.work, self.captured, self.sent = Path(work), list(layers), 0
         self.assemble = assembler(cfg, target_path)
+        # the head on this process's device before the engine starts: vLLM sizes its cache by the memory then free
+        self.head = teacher_head(cfg, target_path, compute) if answers_eval else None
         gpus = sum(d.type == "cuda" for d in compute.devices)
+        if engine_args is None:  # a capture service's: the extraction's layers
+            engine_args = cli.extract_engine_args(cfg, target_path, self.work / "engine", gpus, answers_eval)
         self.log = self.work / "vllm.log"
         self.engine = CaptureEngine(cfg, target_path, gpus, self.work / "engine", self.log, engine_args)
         print(f"[stream] vLLM capture engine: {shlex.join(self.engine.command)} (log {self.log})", flush=True)
+
+    @property
+    def layers(self) -> int:
+        return len(self.captured)
 
     def states(self, rendered) -> list:
         report, out = self.ask([r.input_ids for r in rendered])
@@ -280,8 +295,28 @@ class VLLMStream:
                           "include_output_tokens": include_output_tokens})  # fmt: skip
         return self.engine.answer(), out
 
+    def evaluator(self, layers) -> VLLMEval:
+        """The eval stage's live target at the served `layers` (`Capturing.open_eval`) on this engine: their
+        columns of what it captures. A service opened without `answers_eval` has no head to answer with."""
+        if self.head is None:
+            raise RuntimeError("this vLLM capture service was started without eval consumers: it has no head")
+        missing = [k for k in layers if k not in self.captured]
+        if missing:
+            raise RuntimeError(
+                f"the served layers {list(layers)} are not all captured by this service ({self.captured}): "
+                f"{missing} missing"
+            )
+        return VLLMEval(self.cfg, self.target_path, layers, self.compute, self.work, stream=self)
+
     def close(self) -> None:
         self.engine.close()
+
+
+def teacher_head(cfg, target_path, compute) -> TeacherHead:
+    """The target's final norm and lm_head, read by name from the checkpoint, on the compute's device."""
+    tensors = load_head_tensors(target_path, cfg.target.family)
+    eps = target_config_json(target_path).get("rms_norm_eps", 1e-6)
+    return TeacherHead(tensors, cfg.extract.teacher, eps).to(compute.device)
 
 
 class VLLMEval:
@@ -290,25 +325,35 @@ class VLLMEval:
     engine that loads the checkpoint as shipped (INT4 included) and never from HF transformers. The greedy token at
     each position is the target's head (final norm and lm_head, read by name from the checkpoint) on the last
     layer's output the engine captures; a continuation is the engine's own greedy generation, captured in the same
-    request (one pass)."""
+    request (one pass). `stream`: a capture service's engine (`VLLMStream.evaluator`), of whose layers the served
+    ones are a subset; else the job starts one of its own at the served layers."""
 
-    def __init__(self, cfg, target_path, layers, compute, work: Path):
-        self.device, self.version = compute.device, None
+    def __init__(self, cfg, target_path, layers, compute, work: Path, stream: VLLMStream | None = None):
+        self.device, self.version, self.owned = compute.device, None, stream is None
         self.tokenizer = load_tokenizer(target_path, cfg.target.trust_remote_code, cfg.data.chat_template)
-        # the head on this process's device before the engine starts: vLLM sizes its cache by the memory then free
-        tensors = load_head_tensors(target_path, cfg.target.family)
-        eps = target_config_json(target_path).get("rms_norm_eps", 1e-6)
-        self.head = TeacherHead(tensors, cfg.extract.teacher, eps).to(compute.device)
-        gpus = sum(d.type == "cuda" for d in compute.devices)
-        engine_args = cli.eval_engine_args(cfg, target_path, layers, Path(work) / "engine", gpus)
-        self.stream = VLLMStream(cfg, target_path, layers, compute, work, engine_args=engine_args)
+        if stream is None:
+            head = teacher_head(cfg, target_path, compute)  # before the engine starts
+            gpus = sum(d.type == "cuda" for d in compute.devices)
+            engine_args = cli.eval_engine_args(cfg, target_path, layers, Path(work) / "engine", gpus)
+            stream = VLLMStream(cfg, target_path, layers, compute, work, engine_args=engine_args)
+            stream.head = head
+        self.stream, self.head, self.served_layers = stream, stream.head, list(layers)
+
+    def _read(self, rendered, files: list[str]) -> list:
+        """The sequences' states, their aux states the served layers' columns of what the engine captured."""
+        states = read_states(self.stream.assemble, rendered, files, self.stream.layers, "vLLM's eval capture")
+        if self.served_layers == self.stream.captured:
+            return states
+        hidden = states[0].aux.shape[1] // self.stream.layers
+        where = [self.stream.captured.index(k) for k in self.served_layers]
+        columns = torch.cat([torch.arange(hidden) + i * hidden for i in where])
+        return [dataclasses.replace(s, aux=s.aux.index_select(1, columns)) for s in states]
 
     def served(self, sequences: list[list[int]]):
         """Per sequence: the served states [L, K*H] and the target's greedy token at each position [L]."""
         report, out = self.stream.ask(sequences)
         self.version = report["vllm_version"]
-        rendered = [Rendered(list(ids), [1] * len(ids)) for ids in sequences]
-        states = read_states(self.stream.assemble, rendered, report["files"], self.stream.layers, "vLLM's eval capture")
+        states = self._read([Rendered(list(ids), [1] * len(ids)) for ids in sequences], report["files"])
         shutil.rmtree(out)
         kept = torch.zeros(1, dtype=torch.long, device=self.device)
         for s in states:
@@ -329,10 +374,7 @@ class VLLMEval:
                 answer = answer[: answer.index(eos) + 1]
             sequence = list(prompt) + answer
             captured = sequence[: len(prompt) + len(generated) - 1]
-            (states,) = read_states(
-                self.stream.assemble, [Rendered(captured, [1] * len(captured))], [path], self.stream.layers,
-                "vLLM's eval capture",
-            )  # fmt: skip
+            (states,) = self._read([Rendered(captured, [1] * len(captured))], [path])
             yield len(prompt), sequence, states.aux
         shutil.rmtree(out)
 
@@ -340,7 +382,8 @@ class VLLMEval:
         return f"vllm {self.version} extract_hidden_states"
 
     def close(self) -> None:
-        self.stream.close()
+        if self.owned:  # a service's engine stays up for its other consumers
+            self.stream.close()
 
 
 def _requests(count: int) -> str:

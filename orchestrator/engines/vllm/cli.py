@@ -171,14 +171,17 @@ def capture_engine_args(
     return argv + list(extra)
 
 
-def extract_engine_args(cfg: RootConfig, target_path: Path | str, out: Path | str, gpus: int) -> list[str]:
+def extract_engine_args(
+    cfg: RootConfig, target_path: Path | str, out: Path | str, gpus: int, answers_eval: bool = False
+) -> list[str]:
     """An extract.engine=vllm task's engine arguments: the extraction's layers and the last layer's output at
     vLLM's ids, in the precision the task computes in, tensor-parallel over the task's `gpus`, and
-    `extract.vllm_args` last."""
-
+    `extract.vllm_args` last. `answers_eval`: a capture service's engine that answers eval too (`VLLMStream`),
+    with room for eval's continuations, as `eval_engine_args` has."""
+    room = cfg.eval.max_new_tokens if answers_eval else 0
     return capture_engine_args(
         target_path, capture_ids(cfg, captured_layers(cfg)), out,
-        dtype=resolve_precision(cfg.extract.precision, gpus), max_model_len=cfg.data.max_seq_len + 8,
+        dtype=resolve_precision(cfg.extract.precision, gpus), max_model_len=cfg.data.max_seq_len + room + 8,
         tensor_parallel_size=max(1, gpus), trust_remote_code=cfg.target.trust_remote_code, gpus=gpus > 0,
         extra=tuple(cfg.extract.vllm_args),
     )  # fmt: skip
