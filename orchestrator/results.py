@@ -231,6 +231,8 @@ class EvalResult(_Checked):
     def make_headline(self) -> dict[str, Any]:
         head: dict[str, Any] = {"acc_0": self.acc[0]} if self.acc else {}
         head |= {"trained_states_acc_0": self.trained_states_acc[0]} if self.trained_states_acc else {}
+        if self.served_states_rel_diff is not None:  # how far what serving feeds is from what training read
+            head["served_states_rel_diff"] = self.served_states_rel_diff
         if self.expected_accept_length is not None:
             head["expected_accept_length"] = self.expected_accept_length
         head |= {"sequences_from": self.sequences_from} if self.sequences_from else {}

@@ -175,9 +175,13 @@ class VLLM(Serving, Capturing):
     def print_stream(self, cfg, plan, answers_eval):
         """The capture service's engine command (the extraction's layers; with `answers_eval`, room for eval's
         continuations), its arguments checked by vLLM's own parser. Its folder is shown for a spool in the train
-        stage's folder (a Slurm run's; a local run's is beside it)."""
+        stage's folder (a Slurm run's; a local run's is beside it), and its GPUs are those of its job: on Slurm
+        the extraction's resources, else the training node's devices."""
         work = Path(cfg.train.stream.spool or plan.dir("train") / "stream") / "engine" / "engine"
-        gpus = cfg.extract.resources.gpus_per_node // tasks_per_node(cfg, "extract")
+        if cfg.cluster.kind == "slurm":
+            gpus = cfg.extract.resources.gpus_per_node // tasks_per_node(cfg, "extract")
+        else:
+            gpus = cfg.train.resources.gpus_per_node
         engine_args = cli.extract_engine_args(cfg, plan.target_dir, work, gpus, answers_eval)
         command = cli.capture_service_command(cfg.extract.python, work / "queue", engine_args)
         print(f"[stream] vLLM capture service: {shlex.join(command)}")
