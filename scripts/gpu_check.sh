@@ -95,6 +95,9 @@ line = {
     "demo_s": demo_s,
     "train_val_acc_0": stages["train"].get("val_acc_0"),
     "eval_expected_accept_length": stages["eval"].get("expected_accept_length"),
+    # the states eval's live target serves against those extracted for training (bf16 on the GPU: the rounding that a
+    # tolerance on this distance would have to allow)
+    "eval_served_states_rel_diff": stages["eval"].get("served_states_rel_diff"),
     "served_accept_length": stages["serve"].get("accept_length"),
     "speedup": stages["serve"].get("speedup"),
     # bf16 on the GPU: the measured rate that serve.greedy_token_tolerance should be set from
