@@ -24,7 +24,7 @@ from orchestrator.engines import CaptureJob
 from orchestrator.engines.vllm import cli
 from orchestrator.regenerate import Rendered, keep_regenerated, one_pass_rendered, regenerated_path
 from orchestrator.states.assemble import Assembler
-from orchestrator.states.shards import pack
+from orchestrator.states.shards import layer_columns, pack
 from orchestrator.states.teacher import TeacherHead
 from orchestrator.targets import load_head_tensors, load_tokenizer, target_config_json
 
@@ -342,11 +342,10 @@ class VLLMEval:
     def _read(self, rendered, files: list[str]) -> list:
         """The sequences' states, their aux states the served layers' columns of what the engine captured."""
         states = read_states(self.stream.assemble, rendered, files, self.stream.layers, "vLLM's eval capture")
-        if self.served_layers == self.stream.captured:
+        captured = {"aux_layers": self.stream.captured, "hidden_size": states[0].aux.shape[1] // self.stream.layers}
+        columns = layer_columns(captured, self.served_layers)
+        if columns is None:
             return states
-        hidden = states[0].aux.shape[1] // self.stream.layers
-        where = [self.stream.captured.index(k) for k in self.served_layers]
-        columns = torch.cat([torch.arange(hidden) + i * hidden for i in where])
         return [dataclasses.replace(s, aux=s.aux.index_select(1, columns)) for s in states]
 
     def served(self, sequences: list[list[int]]):
