@@ -267,7 +267,9 @@ class VLLMStream:
         self.cfg, self.target_path, self.compute = cfg, target_path, compute
         self.work, self.captured, self.sent = Path(work), list(layers), 0
         self.assemble = assembler(cfg, target_path)
-        # the head on this process's device before the engine starts: vLLM sizes its cache by the memory then free
+        # the head on this process's device before the engine starts: vLLM claims gpu_memory_utilization of the
+        # device for itself and refuses to start where less is free then (vllm/v1/worker/utils.py request_memory at
+        # 0.32.0), so the head's memory is counted before the engine's start, not taken from under it afterwards
         self.head = teacher_head(cfg, target_path, compute) if answers_eval else None
         gpus = sum(d.type == "cuda" for d in compute.devices)
         if engine_args is None:  # a capture service's: the extraction's layers
