@@ -531,9 +531,10 @@ def run_pipeline(
     jobs: list[tuple[str, Any]] = []
     dependency: str | None = None
     finalizer = None  # the job that writes the summary and closes the MLflow run, once submitted
-    # (service, config joining it): the capture service the eval job asks (`eval_in_service`), started by this process
-    # (a local run's, `_service_for_eval`) or a Slurm job of its own (None here: it stops with its consumers)
-    shared = None
+    # the capture service this process started for a local run's training and eval (`_service_for_eval`); a Slurm
+    # run's is a job of its own, which stops with its consumers
+    service = None
+    eval_cfg = None  # the config with which the eval job asks the capture service (`eval_in_service`)
     try:
         for entry in plan.stages:
             stage = entry["stage"]
@@ -559,16 +560,17 @@ def run_pipeline(
                 stage_cfg, after_start = cfg, None
                 if stage in ("train", "eval") and blocking and asks_service:
                     # a local run's service, started here for its training and its eval
-                    shared = shared or _service_for_eval(cfg, plan, [e["stage"] for e in todo])
-                    stage_cfg = shared[1]
+                    if service is None:
+                        service, eval_cfg = _service_for_eval(cfg, plan, [e["stage"] for e in todo])
+                    stage_cfg = eval_cfg
                 if stage == "train" and own_stream_job(cfg):  # the capture service as a Slurm job of its own
                     # kept up for the eval job too
-                    service, stage_cfg = _submit_stream_service(cfg, plan, jobs, dependency, asks_service)
-                    jobs.append(("stream", service))
-                    after_start = [service.job_id]
-                    shared = (None, stage_cfg) if asks_service else None
-                if stage == "eval" and shared is not None and not blocking:  # asks the service job (registered)
-                    stage_cfg = shared[1]
+                    stream_job, stage_cfg = _submit_stream_service(cfg, plan, jobs, dependency, asks_service)
+                    jobs.append(("stream", stream_job))
+                    after_start = [stream_job.job_id]
+                    eval_cfg = stage_cfg if asks_service else None
+                if stage == "eval" and eval_cfg is not None and not blocking:  # asks the service job (registered)
+                    stage_cfg = eval_cfg
                 job = _submit_or_cancel(
                     stage,
                     jobs,
@@ -591,7 +593,7 @@ def run_pipeline(
                 if after_start:  # the service watches the job that will read from it
                     stream_mod.note_job(Path(stage_cfg.train.stream.join), Path(plan.run_dir).name,
                                         Path(plan.run_dir) / "jobs", job.job_id)  # fmt: skip
-                if stage == "eval" and shared is not None and not blocking:  # and the eval job that will ask it
+                if stage == "eval" and eval_cfg is not None and not blocking:  # and the eval job that will ask it
                     stream_mod.note_job(Path(stage_cfg.train.stream.join), stream_mod.eval_consumer(plan),
                                         Path(plan.run_dir) / "jobs", job.job_id)  # fmt: skip
                 jobs.append((stage, job))
@@ -625,8 +627,8 @@ def run_pipeline(
         tracker.fail(f"{type(exc).__name__}: {exc}")
         raise
     finally:
-        if shared is not None and shared[0] is not None:  # this process's service (a local run's)
-            shared[0].stop()
+        if service is not None:
+            service.stop()
     print_summary(summary)
     return summary
 
