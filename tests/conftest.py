@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from orchestrator import conf_dir
 from orchestrator.config import RootConfig, load
+from orchestrator.draft.model import DraftShape
 from orchestrator.engines.sglang import cli as sglang
 
 # The files that take longest on 2 cores, longest first (their durations in CI's `--durations` report). With
@@ -45,6 +46,19 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 # The tiny Llama, trained briefly on a sample of the corpus, with a short draft training: exercises every
 # code path of every stage; the full-size demo is `python -m orchestrator +experiment=tiny_eagle3`.
+# a small draft's shape, for the tests that build drafts without a target
+SMALL_DRAFT_SHAPE = DraftShape(
+    hidden_size=32,
+    target_hidden_size=32,
+    num_aux_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    vocab_size=50,
+    draft_vocab_size=20,
+)
+
 FAST = [
     # the reference engine: exact in float32 and seconds to start; vLLM serves in the `vllm` tests (test_vllm.py)
     "serve=reference",

@@ -5,22 +5,13 @@ import json
 
 import pytest
 import torch
+from conftest import SMALL_DRAFT_SHAPE
 from safetensors.torch import load_file, save_file
 
 from orchestrator.draft import export as E
-from orchestrator.draft.model import DraftCache, DraftShape, Eagle3Draft
+from orchestrator.draft.model import DraftCache, Eagle3Draft
 
-SHAPE = DraftShape(
-    hidden_size=32,
-    target_hidden_size=32,
-    num_aux_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    vocab_size=50,
-    draft_vocab_size=20,
-)
+SHAPE = SMALL_DRAFT_SHAPE
 TARGET_CONFIG = {"hidden_size": 32, "vocab_size": 50, "max_position_embeddings": 64, "rope_theta": 10000.0}
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMALL_DRAFT_SHAPE
 from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -208,17 +209,7 @@ def sglang_reads(conf: dict) -> tuple[float, dict | None]:
     return conf.get("rope_theta", 10000), conf.get("rope_scaling")
 
 
-SHAPE = DraftShape(
-    hidden_size=32,
-    target_hidden_size=32,
-    num_aux_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    vocab_size=50,
-    draft_vocab_size=20,
-)
+SHAPE = SMALL_DRAFT_SHAPE
 # what transformers 5 writes for a Llama-3 style target: no top-level rope_theta
 LLAMA3_TARGET = {
     "hidden_size": 32,
