@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import importlib
 import json
+import math
 import os
 import shlex
 import time
@@ -571,6 +572,9 @@ def run_pipeline(
                     eval_cfg = stage_cfg if asks_service else None
                 if stage == "eval" and eval_cfg is not None and not blocking:  # asks the service job (registered)
                     stage_cfg = eval_cfg
+                joined_job = _joined_service_job(stage_cfg)  # a layer search's service on Slurm
+                if stage == "train" and joined_job:
+                    after_start = [joined_job]
                 job = _submit_or_cancel(
                     stage,
                     jobs,
@@ -593,7 +597,10 @@ def run_pipeline(
                 if after_start:  # the service watches the job that will read from it
                     stream_mod.note_job(Path(stage_cfg.train.stream.join), Path(plan.run_dir).name,
                                         Path(plan.run_dir) / "jobs", job.job_id)  # fmt: skip
-                if stage == "eval" and eval_cfg is not None and not blocking:  # and the eval job that will ask it
+                evaluating = eval_cfg is not None or (
+                    joined_job and _registered(stage_cfg, stream_mod.eval_consumer(plan))
+                )
+                if stage == "eval" and evaluating and not blocking:  # and the eval job that will ask it
                     stream_mod.note_job(Path(stage_cfg.train.stream.join), stream_mod.eval_consumer(plan),
                                         Path(plan.run_dir) / "jobs", job.job_id)  # fmt: skip
                 jobs.append((stage, job))
@@ -678,22 +685,11 @@ def _submit_stream_service(cfg: RootConfig, plan: Plan, jobs: list, dependency: 
     job is registered too (`eval_in_service`), and the service answers it after the training, for as long as both
     jobs may run."""
     spool = stream_mod.spool_dir(cfg, plan.dir("train") / "stream")
-    spec = stream_mod.StreamSpec.of(cfg, plan, None)
-    stream_mod.prepare(
-        spool, spec, consumers=[Path(plan.run_dir).name], evals=[stream_mod.eval_consumer(plan)] if evals else []
-    )
-    # the extraction's nodes, for as long as the training (and the eval) may run: they wait for the service, then
-    # read from it
-    served_min = cfg.train.resources.timeout_min + (cfg.eval.resources.timeout_min if evals else 0)
-    resources = dataclasses.replace(
-        cfg.extract.resources, timeout_min=max(cfg.extract.resources.timeout_min, served_min)
-    )
-    ex = runner.executor(
-        cfg.cluster, Path(plan.run_dir) / "jobs", f"{cfg.run_name}-stream", resources, 1,
-        [dependency] if dependency else None,
-    )  # fmt: skip
+    evaluating = [stream_mod.eval_consumer(plan)] if evals else []
     try:
-        service = ex.submit(stream_mod.serve_job, str(spool))
+        service = submit_stream_service(
+            cfg, plan, spool, Path(plan.run_dir) / "jobs", [Path(plan.run_dir).name], evaluating, dependency
+        )
     except Exception as exc:
         _cancel_queued(jobs)
         raise runner.SubmissionFailed(f"submitting the capture service failed: {exc}") from exc
@@ -701,6 +697,43 @@ def _submit_stream_service(cfg: RootConfig, plan: Plan, jobs: list, dependency: 
     joined = copy.deepcopy(cfg)
     joined.train.stream.join = str(spool)
     return service, joined
+
+
+def submit_stream_service(
+    cfg: RootConfig, plan: Plan, spool: Path, folder: Path, consumers: list[str], evals: list[str],
+    dependency: str | None = None,
+):  # fmt: skip
+    """The capture service of `plan`'s extraction as a Slurm job of its own (`stream.serve_job`), with the
+    extraction's resources for as long as its trainers (and evals) may run, its `consumers` and `evals` registered
+    in `spool` first. Its job id goes in the spool (`stream.SERVICE_JOB`): a joining run's train job starts after it
+    has started (`--dependency=after:`), and is watched by it in the queue (`stream.note_job`)."""
+    stream_mod.prepare(spool, stream_mod.StreamSpec.of(cfg, plan, None), consumers=consumers, evals=evals)
+    # the extraction's nodes, for as long as the training (and the eval) may run, and, with several trainers, as
+    # long as the service waits for the last to declare its steps: they wait for the service, then read from it
+    served_min = cfg.train.resources.timeout_min + (cfg.eval.resources.timeout_min if evals else 0)
+    if len(consumers) > 1:
+        served_min += math.ceil(cfg.train.stream.declare_timeout_s / 60)
+    resources = dataclasses.replace(
+        cfg.extract.resources, timeout_min=max(cfg.extract.resources.timeout_min, served_min)
+    )
+    ex = runner.executor(
+        cfg.cluster, folder, f"{cfg.run_name}-stream", resources, 1, [dependency] if dependency else None
+    )  # fmt: skip
+    service = ex.submit(stream_mod.serve_job, str(spool))
+    (spool / stream_mod.SERVICE_JOB).write_text(str(service.job_id))
+    return service
+
+
+def _registered(cfg: RootConfig, consumer: str) -> bool:
+    return (Path(cfg.train.stream.join) / stream_mod.CONSUMERS / f"{consumer}.json").exists()
+
+
+def _joined_service_job(cfg: RootConfig) -> str | None:
+    """The Slurm job of the service this run joins (`train.stream.join`, a layer search's on Slurm), if it is one."""
+    join = cfg.train.stream.join
+    if cfg.cluster.kind != "slurm" or join is None or not (Path(join) / stream_mod.SERVICE_JOB).exists():
+        return None
+    return (Path(join) / stream_mod.SERVICE_JOB).read_text().strip()
 
 
 def _cancel_queued(jobs: list[tuple[str, Any]]) -> list[str]:

@@ -26,6 +26,7 @@ import copy
 import json
 import os
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -125,9 +126,18 @@ def point_config(
 
 def shares_stream(cfg: RootConfig) -> bool:
     """Whether the trials that run at once read one capture service (`Study.run_shared`): with train.states=stream,
-    where the service can run beside the driver (cluster local or debug). On Slurm each trial's training starts its
-    own service on its own node, and the dry run says what that costs."""
-    return cfg.train.states == "stream" and cfg.cluster.kind != "slurm" and "train" in cfg.stages
+    a process beside the driver (cluster local or debug), or a Slurm job of its own."""
+    return cfg.train.states == "stream" and "train" in cfg.stages
+
+
+def _end_service_job(job, grace_s: float = 60.0) -> None:
+    """A search's capture service job, once its trials have left: it stops by itself with no consumer left (within
+    seconds); one still running after `grace_s` is cancelled."""
+    deadline = time.monotonic() + grace_s
+    while not job.done() and time.monotonic() < deadline:
+        time.sleep(1.0)
+    if not job.done():
+        job.cancel(check=False)
 
 
 def check(search: SearchConfig, base: RootConfig) -> None:
@@ -291,14 +301,20 @@ def stream_passes(search: SearchConfig, cfg: RootConfig) -> str | None:
         return None
     n, k = search.n_trials, min(search.n_jobs, search.n_trials)
     if not shares_stream(cfg):
-        return (
-            f"stream: on cluster={cfg.cluster.kind} each trial's training starts its own capture service: {n} capture "
-            "passes per epoch, one per trial"
-        )
+        return None
     groups = -(-n // k)
+    where = "beside this driver"
+    if cfg.cluster.kind == "slurm":
+        r = cfg.extract.resources
+        where = (
+            f"as a Slurm job of its own ({r.nodes} node(s), {r.gpus_per_node} GPU(s) each: extract.resources), which "
+            f"needs the group's {k} train jobs running with it; a trial whose job has not started "
+            f"{cfg.train.stream.declare_timeout_s:g} s after the first trainer's is left out and fails "
+            "(train.stream.declare_timeout_s)"
+        )
     return (
         f"stream: the trials run {k} at a time, each group reading one capture service of the union's layers "
-        f"beside this driver: {groups} capture pass{'es' if groups != 1 else ''} per epoch for {n} trials, not {n}"
+        f"{where}: {groups} capture pass{'es' if groups != 1 else ''} per epoch for {n} trials, not {n}"
     )
 
 
@@ -561,18 +577,27 @@ class Study:
         outcome (a point known already or rejected leaves at once), and the service stops with the group."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from orchestrator.pipeline import eval_in_service, make_plan
+        from orchestrator.pipeline import eval_in_service, make_plan, submit_stream_service
         from orchestrator.states import stream
 
         asked = self.ask_distinct(k)
         cfg = self.base
         spool = stream.spool_dir(cfg, self.folder / "stream")
-        spec = stream.StreamSpec.of(cfg, make_plan(cfg, self.folder / "extract"), os.getpid())
         names = [f"{t.number:04d}" for t in asked]
         # each trial's eval asks the service too (the target loaded once for the group), where the engine can answer
         evals = [f"{name}.eval" for name in names] if eval_in_service(cfg, list(cfg.stages)) else []
         print(f"[search] trials {[t.number for t in asked]} read one capture service: {spool}")
-        service = stream.CaptureService(spool, spec).start(consumers=names, evals=evals)
+        if cfg.cluster.kind == "slurm":
+            # a job of its own with the extraction's resources; each trial's train job starts once it has started,
+            # and the service starts capturing once they have declared their steps (train.stream.declare_timeout_s)
+            job = submit_stream_service(cfg, make_plan(cfg, self.folder / "extract"), spool, self.folder / "jobs",
+                                        names, evals)  # fmt: skip
+            print(f"[search] capture service: job {job.job_id}")
+            poll, stop = None, lambda: _end_service_job(job)
+        else:
+            spec = stream.StreamSpec.of(cfg, make_plan(cfg, self.folder / "extract"), os.getpid())
+            service = stream.CaptureService(spool, spec).start(consumers=names, evals=evals)
+            poll, stop = service.proc.poll, service.stop  # reaped at once: a trainer sees its exit
 
         def one(trial, name: str) -> None:
             try:
@@ -584,9 +609,9 @@ class Study:
         try:
             with ThreadPoolExecutor(max_workers=k, thread_name_prefix="trial") as pool:
                 futures = [pool.submit(one, t, name) for t, name in zip(asked, names)]
-                self._results(futures, poll=service.proc.poll)  # reaped at once: a trainer sees its exit
+                self._results(futures, poll=poll)
         finally:
-            service.stop()
+            stop()
 
     def run_one(self) -> None:
         """Asks the study for a trial, runs it and tells its outcome: complete, pruned, or failed (a stage's

@@ -459,6 +459,45 @@ def test_a_consumer_declaring_again_beside_another_stops_the_shared_service_with
         service.stop()
 
 
+def test_a_shared_service_starts_without_a_trainer_that_has_not_declared_in_time_and_it_fails_saying_why(
+    both, tmp_path
+):
+    """Three trainers registered with one shared service, as a layer search's group on Slurm, and one never
+    declares (its job waits in the queue behind the group's): train.stream.declare_timeout_s after the first
+    declared, the service starts without it, saying so in its log, and the others read; the one left out fails when
+    it declares, naming the key to change, and is not registered again."""
+    import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
+
+    from orchestrator.states.source import step_indices
+
+    cfg, plan, _ = both["stream"]
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, stream=dataclasses.replace(
+        cfg.train.stream, declare_timeout_s=2)))  # fmt: skip
+    spool = tmp_path / "spool"
+    service = stream.CaptureService(spool, stream.StreamSpec.of(cfg, plan, os.getpid())).start(
+        consumers=["a", "b", "late"]
+    )
+    try:
+        stream.declare(spool, "a", 0, 1)
+        time.sleep(1)
+        stream.declare(spool, "b", 0, 1)
+        step = step_indices(96, cfg.train.batch_size, cfg.train.seed, 0)
+        with ThreadPoolExecutor(2) as pool:  # each file is kept until both have read it: they read side by side
+            reads = [pool.submit(stream.StreamedSplit(spool, 96, None, 60, consumer=name).take, step) for name in "ab"]
+            assert [len(read.result(timeout=120)) for read in reads] == [len(step)] * 2
+        log = (spool / "service.log").read_text()
+        dropped = log.find("consumer late had not declared its steps 2 s after the first did: starting without it")
+        assert 0 <= dropped < log.find("capturing 96 sequences' states, steps 0..1"), log  # it waited, then left it
+        with pytest.raises(stream.StreamError) as left_out:
+            stream.declare(spool, "late", 0, 1)
+        message = str(left_out.value)
+        assert "started without consumer 'late'" in message and "train.stream.declare_timeout_s" in message, message
+        assert "search.n_jobs" in message and "late" not in stream.consumers(spool), message
+    finally:
+        service.stop()
+
+
 def test_eval_asks_the_capture_service_that_trained_the_draft_and_measures_what_its_own_target_does(
     both, fast_cache, tiny_config, tmp_path
 ):

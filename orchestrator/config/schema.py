@@ -201,6 +201,10 @@ class StreamConfig:
     # the spool of a capture service already running (a layer search starts one for its trials at once): this
     # training reads from it as one of its consumers instead of starting its own; null: start one
     join: Optional[str] = MISSING
+    # A shared service (a layer search's trials) starts once every registered trainer has declared its steps, or this
+    # long after the first one did, without the others: on Slurm a trial whose job waits in the queue behind the
+    # group's would hold it. A trainer left out fails when it starts, saying so (`stream.declare`).
+    declare_timeout_s: float = MISSING
     # estimates for the dry run's link rates (null: not priced): samples/s one trainer GPU consumes, and samples/s the
     # capture service produces
     train_samples_per_s: Optional[float] = MISSING

@@ -62,6 +62,8 @@ STOP = "stop"
 LOG = "service.log"
 CONSUMERS = "consumers"
 READS = "reads"
+DROPPED = "dropped"  # why a registered consumer was left out, for it to say when it starts (`declare`)
+SERVICE_JOB = "service_job"  # the Slurm job id of a service that is a job of its own, for its consumers' `after:`
 EVAL = "eval"
 HEARTBEAT_S = 2.0
 POLL_S = 0.02
@@ -412,18 +414,27 @@ def declare(spool: Path, consumer: str, start_step: int, total_steps: int) -> No
     service's only consumer, and stop, saying why, when others read beside it (`_Conflict`)."""
     path = Path(spool) / CONSUMERS / f"{consumer}.json"
     if not path.exists():
-        raise StreamError(f"train.stream.join={spool}: no consumer {consumer!r} is registered with that service")
+        dropped = Path(spool) / DROPPED / consumer
+        why = dropped.read_text() if dropped.exists() else "no consumer {consumer!r} is registered with that service"
+        raise StreamError(f"train.stream.join={spool}: " + why.format(consumer=consumer))
     (Path(spool) / READS / consumer).mkdir(parents=True, exist_ok=True)
     record = json.loads(path.read_text())
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(record | {"steps": [start_step, total_steps], "declared": time.time()}))
+    dropped = Path(spool) / DROPPED / consumer
+    if dropped.exists():  # left out as it declared (`_drop` writes the reason first, then unregisters it)
+        unregister(spool, consumer)
+        raise StreamError(f"train.stream.join={spool}: " + dropped.read_text().format(consumer=consumer))
 
 
 def note_job(spool: Path, consumer: str, folder: Path, job_id: str) -> None:
     """The Slurm job that will read as `consumer`: a service watches it while the consumer has not declared (a job
     cancelled in the queue, or failed before training, never will)."""
     path = Path(spool) / CONSUMERS / f"{consumer}.json"
-    record = json.loads(path.read_text())
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:  # left out already (`_drop`): its job fails as it declares
+        return
     if record["steps"] is None:
         with atomic_path(path) as tmp:
             tmp.write_text(json.dumps(record | {"job": [str(folder), str(job_id)]}))
@@ -477,17 +488,43 @@ class _Conflict(Exception):
 
 
 def _declared_steps(spool: Path, spec: StreamSpec, parent: int, status: _Status) -> dict[str, dict] | None:
-    """The registered consumers once every one has declared its steps; None when stopped first or none is left."""
+    """The registered trainers once every one has declared its steps, or, `train.stream.declare_timeout_s` after the
+    first did, those that have (the others are dropped, each told why); None when stopped first or none is left."""
     status.update(state="waiting for consumers")
+    first = None  # when the first trainer declared
     while not (spool / STOP).exists() and _trainer_alive(spec, parent):
         declared = _live_consumers(spool, spec)
         if not declared:
             return None
         trainers = _role(declared, "train")  # empty: eval consumers alone (the draft was trained already)
-        if all(c["steps"] is not None for c in trainers.values()):
+        waiting = [name for name, c in trainers.items() if c["steps"] is None]
+        if not waiting:
             return trainers
+        if len(waiting) < len(trainers):
+            first = first or min(c["declared"] for c in trainers.values() if c["declared"] is not None)
+            timeout = spec.cfg.train.stream.declare_timeout_s
+            if time.time() - first > timeout:
+                for name in waiting:
+                    _drop(spool, name, timeout)
+                return {name: c for name, c in trainers.items() if name not in waiting}
         time.sleep(POLL_S * 5)
     return None
+
+
+def _drop(spool: Path, name: str, timeout: float) -> None:
+    """Leaves out a registered trainer that has not declared its steps `timeout` s after the first one did: the
+    others start without it. Its `declare` fails with this reason (in `DROPPED`)."""
+    why = (
+        "the shared capture service started without consumer {consumer!r}: it had not declared its steps "
+        f"{timeout:g} s after the first consumer did (train.stream.declare_timeout_s; on Slurm its job was still in "
+        "the queue), and the others read without it. Run fewer trials at once (search.n_jobs) where the cluster "
+        "cannot run them and the service together, or raise train.stream.declare_timeout_s"
+    )
+    (spool / DROPPED).mkdir(exist_ok=True)
+    (spool / DROPPED / name).write_text(why)
+    unregister(spool, name)
+    print(f"[stream] consumer {name} had not declared its steps {timeout:g} s after the first did: "
+          "starting without it", flush=True)  # fmt: skip
 
 
 def _role(found: dict[str, dict[str, Any]], role: str) -> dict[str, dict[str, Any]]:
@@ -530,6 +567,7 @@ def _collect(spool: Path, spec: StreamSpec, began: dict[str, float]) -> bool:
     when a consumer has declared since the service began (`began`: each consumer's declaration then), `_Conflict`
     when others read meanwhile."""
     declared = _role(_live_consumers(spool, spec), "train")
+    declared = {name: c for name, c in declared.items() if not (spool / DROPPED / name).exists()}  # leaving (`_drop`)
     if not declared:
         return False
     if any(c["steps"] is None for c in declared.values()):  # registered late: it may need any file

@@ -520,3 +520,44 @@ def test_a_capture_service_job_of_its_own_killed_fails_the_training_naming_its_l
     assert f"answered {asked} eval requests on the target loaded here" in service_log, service_log[-2000:]
     eval_log = next((again / "jobs").glob(f"{jobs['eval']}_0_log.out")).read_text()
     assert "[eval] the live target is the capture service's" in eval_log, eval_log[-2000:]
+
+
+@pytest.mark.slow
+def test_a_streamed_layer_search_on_slurm_shares_one_capture_service_job(slurm_outputs):
+    """train.states=stream with search.n_jobs=2 on Slurm: the group's capture service is a Slurm job of its own (the
+    union's layers), each trial's train job starts after it and joins it. With room on the cluster for the service
+    and both train jobs (3 CPUs or more), both trials read one capture pass; with 2 CPUs (the suite's cluster) the
+    second train job waits in the queue, the service starts without it train.stream.declare_timeout_s after the
+    first declared, and that trial fails saying so while the other completes. Slow (minutes): `-m slow`."""
+    import optuna
+
+    cpus = int(subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True).stdout.split()[0])
+    name = "slurm-stream-search"
+    proc = cli(
+        slurm_outputs, "+experiment=tiny_eagle3", "+search=tiny_llama", *SLURM_FAST, "train.max_steps=12",
+        "stages=[extract,train,eval]", "train.states=stream", "train.stream.declare_timeout_s=20",
+        f"search.study_name={name}", "search.n_trials=2", "search.n_jobs=2", "search/pruner=none", timeout=1500,
+    )  # fmt: skip
+    folder = slurm_outputs / "search" / name
+    study = optuna.load_study(study_name=name, storage=f"sqlite:///{folder / 'optuna.db'}")
+    # a point proposed while another trial runs it is asked again: such a trial is failed, uncounted, and ran nothing
+    trials = {t.number: t for t in study.trials if "in_flight_of" not in t.user_attrs}
+    (service,) = sorted({p.name.split("_")[0] for p in (folder / "jobs").glob("*_submitted.pkl")})
+    log = next((folder / "jobs").glob(f"{service}_0_log.out")).read_text()
+    assert wait_terminal([service])[service] == "COMPLETED", log[-3000:]
+    assert log.count("[stream] capturing") == 1, log[-3000:]  # one capture pass for the group
+    states = sorted(t.state.name for t in trials.values())
+    if cpus >= 3:
+        assert proc.returncode == 0 and states == ["COMPLETE", "COMPLETE"], proc.stdout[-3000:] + log[-2000:]
+        assert "starting without it" not in log, log[-3000:]
+    else:
+        assert states == ["COMPLETE", "FAIL"], proc.stdout[-3000:] + log[-2000:]
+        (left_out,) = [n for n, t in trials.items() if t.state.name == "FAIL"]
+        assert f"consumer {left_out:04d} had not declared its steps 20 s after the first did" in log, log[-3000:]
+        train_log = "".join(p.read_text() for p in (folder / "trials" / f"{left_out:04d}" / "jobs").glob("*_log.err"))
+        assert f"started without consumer '{left_out:04d}'" in train_log, train_log[-3000:]
+        assert "train.stream.declare_timeout_s" in train_log and "search.n_jobs" in train_log, train_log[-3000:]
+    for t in trials.values():  # each trial's train job started once the service's had (sacct's start times)
+        jobs = run_jobs(folder / "trials" / f"{t.number:04d}")
+        times = sacct_times([service, jobs["train"]])
+        assert times[jobs["train"]][0] >= times[service][0], times
