@@ -522,10 +522,13 @@ def test_an_unexpected_error_starts_no_further_trial(tmp_path, monkeypatch):
     "cluster,line",
     [
         ("cluster=local", "3 capture passes per epoch for 7 trials, not 7"),
-        ("cluster=slurm", "as a Slurm job of its own (1 node(s), 0 GPU(s) each: extract.resources), which needs the "
-                          "group's 3 train jobs running with it; a trial whose job has not started 600 s after the "
-                          "first trainer's is left out and fails (train.stream.declare_timeout_s): 3 capture passes "
-                          "per epoch for 7 trials, not 7"),
+        (
+            "cluster=slurm",
+            "as a Slurm job of its own (1 node(s), 0 GPU(s) each: extract.resources), which needs the "
+            "group's 3 train jobs running with it; a trial whose job has not started 600 s after the "
+            "first trainer's is left out and fails (train.stream.declare_timeout_s): 3 capture passes "
+            "per epoch for 7 trials, not 7",
+        ),
     ],
 )
 def test_the_dry_run_says_how_many_capture_passes_streamed_trials_cost(tmp_path, capsys, cluster, line):
