@@ -93,7 +93,10 @@ class Compute:
     def close(self, failed: bool = False) -> None:
         """Ends this process's part of the process group. `failed`: this rank raised, so its peers may be waiting
         in a collective for it; the group is aborted (not destroyed, which would wait for them) and their pending
-        collectives fail at once with a connection error, instead of blocking until the collective timeout."""
+        collectives fail at once with a connection error, instead of blocking until the collective timeout.
+        Otherwise every rank first waits for the others (rank 0 may still be exporting), so that no rank tears its
+        end of the group down while a peer's is in use: a gloo rank that left early was seen to abort at exit
+        ("terminate called without an active exception"), failing a job whose work had completed."""
         if not (self._owns_group and torch.distributed.is_initialized()):
             return
         if failed:
@@ -102,6 +105,8 @@ class Compute:
                 return
             except Exception:  # a backend without abort: destroying the group closes its connections too
                 pass
+        else:
+            torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

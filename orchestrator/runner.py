@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -117,12 +118,18 @@ class StageJob(submitit.helpers.Checkpointable):
             # CUDA_VISIBLE_DEVICES stays the job's: compute.setup splits the node's GPUs between its tasks.
             submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         try:
-            return run(stage, cfg, plan, run_id, finalize=finalize)
+            result = run(stage, cfg, plan, run_id, finalize=finalize)
         except BaseException as exc:
             # When one rank fails, its peers fail after it (their collectives are aborted): the time of each
             # rank's failure tells `wait` which one was the cause.
             _write_failure(env, {"rank": env.global_rank, "time": time.time(), "error": f"{type(exc).__name__}: {exc}"})
             raise
+        if env.name() != "debug":  # a job process of its own (a debug job runs in the driver's)
+            # The stage's work is done: a pre-emption signal from now on is ignored, not obeyed. Submitit's handler
+            # would requeue a finished stage; once the interpreter exits, Python restores the signal's default
+            # action, which kills the task, and Slurm records a job whose work completed as FAILED.
+            signal.signal(getattr(signal, "SIG" + submitit.JobEnvironment.USR_SIG), signal.SIG_IGN)
+        return result
 
 
 def submit(

@@ -1,9 +1,13 @@
-"""While a run waits on a local job, the job's log streams to the console (orchestrator/runner.py): real submitit
-jobs in a temporary folder, each a few lines, a progress bar and short sleeps."""
+"""While a run waits on a local job, the job's log streams to the console, and a stage job outlives a late
+pre-emption signal (orchestrator/runner.py): real submitit jobs in a temporary folder, each a few lines, a progress
+bar and short sleeps."""
 
 from __future__ import annotations
 
+import atexit
 import io
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -28,6 +32,20 @@ def chatty_stage() -> str:
 def failing_stage() -> None:
     print("loading shard 7", file=sys.stderr, flush=True)
     raise ValueError("shard 7 is truncated")
+
+
+def stage_preempted_as_it_exits(stage, cfg, plan, run_id, finalize) -> str:
+    """A stage (as `runner.StageJob` calls one) whose work is done when the pre-emption signal arrives: its process
+    is exiting, submitit has written the result, and an exit hook sends the signal to the process itself."""
+
+    def late_signal():
+        print(f"at exit: {signal.getsignal(signal.SIGUSR2)!r}", flush=True)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.5)
+        print("alive after the signal", flush=True)
+
+    atexit.register(late_signal)
+    return "done"
 
 
 @pytest.fixture
@@ -96,3 +114,18 @@ def test_a_failing_job_raises_stage_failed_with_the_log_tail(local_executor, cap
     assert f"stage extract (job {job.job_id}) failed" in message
     assert_in_order(message, ["--- job log tail ---", "loading shard 7", "ValueError: shard 7 is truncated"])
     assert "shard 7 is truncated" in capsys.readouterr().err  # streamed as it happened, too
+
+
+def test_a_preemption_signal_after_the_stage_is_done_is_ignored(local_executor):
+    """Slurm's pre-emption signal (SIGUSR2) to a stage job whose work is done: ignored, so the job ends as it
+    would have. Seen on the Slurm cluster before the fix: a 2-task training job signalled as it exited was killed
+    by the signal (Python restores its default action when the interpreter exits) and recorded FAILED, its work
+    complete, which cancels the jobs queued after it."""
+    job = local_executor.submit(runner.StageJob(), stage_preempted_as_it_exits, "train", None, None, "run", False)
+
+    assert runner.wait(job, "train", follow_log=False) == "done"
+
+    out = Path(job.paths.stdout).read_text()
+    assert "at exit: <Handlers.SIG_IGN: 1>" in out, out
+    assert "alive after the signal" in out, out
+    assert job.state == "FINISHED", job.state

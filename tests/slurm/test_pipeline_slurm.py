@@ -72,6 +72,25 @@ def wait_terminal(job_ids: list[str], timeout: float = 900) -> dict[str, str]:
     raise AssertionError(f"jobs not finished after {timeout} s: {sacct_states(job_ids)}")
 
 
+def job_logs(folder: Path, job_id: str, lines: int = 40) -> str:
+    """Every attempt of a job as Slurm's accounting has it, and the end of each task's stderr (progress bars
+    dropped): what a failed assertion on a job's state shows."""
+    attempts = subprocess.run(
+        ["sacct", "-n", "-X", "-D", "-P", "-o", "JobID,State,ExitCode,Start,End", "-j", job_id],
+        capture_output=True,
+        text=True,
+    ).stdout
+    tails = [attempts]
+    for log in sorted(folder.glob(f"{job_id}_*_log.err")):
+        kept = [
+            line
+            for line in log.read_text(errors="replace").replace("\r", "\n").splitlines()
+            if "it/s" not in line and "step/s" not in line
+        ]
+        tails.append(f"--- {log.name} ---\n" + "\n".join(kept[-lines:]))
+    return "\n".join(tails)
+
+
 def cli(outputs: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(outputs)}
     return subprocess.run(
@@ -245,7 +264,7 @@ def requeued_training(slurm_outputs: Path, *extra: str) -> tuple[str, Path, Path
     assert checkpoint.exists()
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     states = wait_terminal([job_id], timeout=900)
-    assert states[job_id] == "COMPLETED", states
+    assert states[job_id] == "COMPLETED", (states, job_logs(record.parent / "jobs", job_id))
     assert (checkpoint.parent.parent / "manifest.json").exists()
     return job_id, record, checkpoint
 
