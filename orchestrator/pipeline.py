@@ -568,11 +568,10 @@ def run_pipeline(
                     # kept up for the eval job too
                     stream_job, stage_cfg = _submit_stream_service(cfg, plan, jobs, dependency, asks_service)
                     jobs.append(("stream", stream_job))
-                    after_start = [stream_job.job_id]
                     eval_cfg = stage_cfg if asks_service else None
                 if stage == "eval" and eval_cfg is not None and not blocking:  # asks the service job (registered)
                     stage_cfg = eval_cfg
-                joined_job = _joined_service_job(stage_cfg)  # a layer search's service on Slurm
+                joined_job = _joined_service_job(stage_cfg)  # the service's Slurm job: this run's, or a search's
                 if stage == "train" and joined_job:
                     after_start = [joined_job]
                 job = _submit_or_cancel(

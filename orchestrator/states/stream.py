@@ -501,7 +501,7 @@ def _declared_steps(spool: Path, spec: StreamSpec, parent: int, status: _Status)
         if not waiting:
             return trainers
         if len(waiting) < len(trainers):
-            first = first or min(c["declared"] for c in trainers.values() if c["declared"] is not None)
+            first = first or time.time()  # when this service saw it, by its own clock, not the trainer's host's
             timeout = spec.cfg.train.stream.declare_timeout_s
             if time.time() - first > timeout:
                 for name in waiting:

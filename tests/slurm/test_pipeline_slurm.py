@@ -493,7 +493,8 @@ def test_a_capture_service_job_of_its_own_killed_fails_the_training_naming_its_l
     train job fails on its own within train.stream.stall_timeout_s. The same command with eval then resumes the
     training from its checkpoint with a new service job, which captures from that step on, then answers the eval
     job's requests for its live target (the target loaded once for both), and every job completes."""
-    args = ["+experiment=tiny_eagle3", *SLURM_FAST, "train.max_steps=24", "train.checkpoint_every=2",
+    steps = 60  # the trainer reads for seconds after its first checkpoint: the kill lands before it has all its states
+    args = ["+experiment=tiny_eagle3", *SLURM_FAST, f"train.max_steps={steps}", "train.checkpoint_every=2",
             "stages=[extract,train]", "train.states=stream", "train.stream.buffer_bytes=300000",
             "train.stream.stall_timeout_s=15", "cluster.wait=true"]  # fmt: skip
     env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(slurm_outputs)}
@@ -529,10 +530,10 @@ def test_a_capture_service_job_of_its_own_killed_fails_the_training_naming_its_l
     assert times[jobs["train"]][0] >= times[jobs["stream"]][0], times
     logs = [p.read_text() for p in (again / "jobs").glob("*_0_log.out")]
     service_log = next(log for log in logs if "[stream] capturing" in log)
-    first = int(re.search(r"capturing \d+ sequences' states, steps (\d+)\.\.24", service_log).group(1))
+    first = int(re.search(rf"capturing \d+ sequences' states, steps (\d+)\.\.{steps}", service_log).group(1))
     assert first > 0, service_log  # from the checkpoint's step, not from the start
     report = json.loads((again / "summary.json").read_text())["stages"]["train"]["stream"]
-    assert report["captured_sequences"] == (24 - first) * 8 and 0 < report["peak_spool_bytes"] <= 300_000, report
+    assert report["captured_sequences"] == (steps - first) * 8 and 0 < report["peak_spool_bytes"] <= 300_000, report
     assert "service ended with code 0" in service_log, service_log[-2000:]
     evaluated = json.loads((again / "summary.json").read_text())["stages"]["eval"]
     asked = evaluated["sequences"] + 4  # one request a validation sequence and a serving prompt (serve.prompts=4)
