@@ -242,11 +242,9 @@ def test_sweep_fans_out_then_is_cached_and_a_failing_point_is_isolated(slurm_out
 
 
 def requeued_training(slurm_outputs: Path, *extra: str) -> tuple[str, Path, Path]:
-    """Extraction, then a 30-step training job sent Slurm's pre-emption signal (SIGUSR2) once it has a checkpoint,
+    """A 30-step training job sent Slurm's pre-emption signal (SIGUSR2) once it has a checkpoint,
     waited for until it completes: (job id, its jobs.json, the checkpoint)."""
-    common = ["+experiment=tiny_eagle3", *SLURM_FAST]
-    proc = cli(slurm_outputs, *common, "cluster.wait=true", "train.max_steps=12", "stages=[extract]", timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    common = ["+experiment=tiny_eagle3", *SLURM_FAST]  # the extraction is in the cache already (slurm_extracted)
     long_train = [
         "stages=[extract,train]",
         "train.max_steps=30",
@@ -320,6 +318,7 @@ def sacct_times(job_ids: list[str]) -> dict[str, tuple[str, str]]:
     }
 
 
+@pytest.mark.slow  # outside the default suite, for its time (pyproject.toml's marker)
 def test_layer_search_runs_trials_as_parallel_slurm_jobs(slurm_outputs):
     """`search.n_jobs=2` on Slurm: the union is extracted once, then two trials' chains (train, eval) are jobs at the
     same time, side by side on the node's two CPUs; both trials complete, in Optuna and as MLflow child runs."""
@@ -428,6 +427,7 @@ def test_a_rank_that_hangs_ends_the_slurm_job_within_the_collective_timeout(slur
     assert time.monotonic() - started < 600, "the job ran on past its collective timeout"
 
 
+@pytest.mark.slow  # outside the default suite, for its time (pyproject.toml's marker)
 def test_a_task_killed_mid_extraction_ends_the_job_and_the_rerun_matches_an_uninterrupted_one(
     slurm_outputs, fast_cache, monkeypatch
 ):
