@@ -213,38 +213,23 @@ def quantized_tiny_target(tiny_config, dest: Path) -> Path:
 
 
 def kimi_checkpoint(dest: Path, quantized: bool = True) -> Path:
-    """A stand-in for a local copy of Kimi-K2.5 holding what the dry run reads of a checkpoint, in its layout: a
-    config.json with the DeepSeek-V3 text model under `text_config` and, `quantized`, its INT4 experts' compressed-
-    tensors `quantization_config` there; its tokenizer files (tiktoken.model, no tokenizer.json; the remote-code
-    tokenizer's config); a safetensors index over two small shards. The shape is conf/target/kimi_k25.yaml's; the
-    files are written from the published layout's keys, not copied from the model (no weights are real)."""
+    """A stand-in for a local copy of Kimi-K2.5 holding what the dry run reads of a checkpoint: the checkpoint's own
+    config.json as transformers printed it from a copy of moonshotai/Kimi-K2.5 (tests/data/targets/SOURCES.md; the
+    DeepSeek-V3 text model under `text_config`, its INT4 experts' compressed-tensors `quantization_config`, dropped
+    where not `quantized`); its tokenizer files in their layout (tiktoken.model, no tokenizer.json; the remote-code
+    tokenizer's config); a safetensors index over two small shards with the checkpoint's weight names. No weights
+    are real."""
     import json
 
     import torch
     from safetensors.torch import save_file
 
-    from orchestrator.wrappers import KIMI_K25, wrapper_config
-
     dest.mkdir(parents=True)
-    text = {
-        "hidden_size": 7168, "num_hidden_layers": 61, "vocab_size": 163840, "max_position_embeddings": 262144,
-        "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_attention_heads": 64,
-        "num_key_value_heads": 64, "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 8,
-        "first_k_dense_replace": 1, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 128, "v_head_dim": 128, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-        "routed_scaling_factor": 2.827, "rope_theta": 50000.0,
-        "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
-                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-    }  # fmt: skip
-    if quantized:  # INT4 weights in groups of 32, attention and shared experts kept in bf16
-        int4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
-        text["quantization_config"] = {
-            "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": int4, "input_activations": None}},
-            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*vision_tower.*"],
-        }  # fmt: skip
-    conf = wrapper_config(KIMI_K25, text, vision_config={"model_type": "moonvit"}, bos_token_id=163584,
-                          eos_token_id=163585, pad_token_id=163839)  # fmt: skip
+    shipped = Path(__file__).parent / "data" / "targets" / "moonshotai__Kimi-K2.5" / "config.json"
+    conf = json.loads(shipped.read_text())
+    if not quantized:
+        conf.pop("quantization_config")
+        conf["text_config"].pop("quantization_config")
     (dest / "config.json").write_text(json.dumps(conf, indent=2))
     (dest / "tiktoken.model").write_text("IQ== 0\nIg== 1\nIw== 2\n")  # base64 token, rank: tiktoken's format
     (dest / "tokenizer_config.json").write_text(
@@ -257,11 +242,18 @@ def kimi_checkpoint(dest: Path, quantized: bool = True) -> Path:
             }
         )  # fmt: skip
     )
-    shards = {"model-00001-of-00002.safetensors": "language_model.model.embed_tokens.weight",
-              "model-00002-of-00002.safetensors": "language_model.lm_head.weight"}  # fmt: skip
-    for file, name in shards.items():
-        save_file({name: torch.zeros(4, 8, dtype=torch.bfloat16)}, str(dest / file))
-    index = {"metadata": {"total_size": 128}, "weight_map": {name: file for file, name in shards.items()}}
+    # the checkpoint's shard names (its 64 files are "model-000NN-of-000064"), a tensor or two of the names each holds
+    head = [
+        "language_model.model.embed_tokens.weight",
+        "language_model.lm_head.weight",
+        "language_model.model.norm.weight",
+    ]
+    shards = {"model-00001-of-000064.safetensors": ["language_model.model.layers.0.input_layernorm.weight"],
+              "model-00062-of-000064.safetensors": head}  # fmt: skip
+    for file, names in shards.items():
+        save_file({name: torch.zeros(4, 8, dtype=torch.bfloat16) for name in names}, str(dest / file))
+    weight_map = {name: file for file, names in shards.items() for name in names}
+    index = {"metadata": {"total_size": 64 * len(weight_map)}, "weight_map": weight_map}
     (dest / "model.safetensors.index.json").write_text(json.dumps(index))
     return dest
 

@@ -34,6 +34,8 @@ PORT = 30000
 KIMI_PATHS = ("/models/Kimi-K2.5", "/outputs/kimi_eagle3/train/draft")
 LLAMA_PATHS = ("/models/tiny llama's target", "/outputs/tiny_eagle3/train/draft")
 
+DATA = Path(__file__).parent / "data"
+
 EXPERIMENTS = {
     "kimi_eagle3": (["+experiment=kimi_eagle3"], KIMI_PATHS),
     # the demo's fallback to the reference engine off: these commands are SGLang's, wherever its env is
@@ -76,7 +78,9 @@ def target_config_of(cfg: RootConfig) -> dict[str, Any]:
     return conf
 
 
-def exported_draft_config(cfg: RootConfig) -> dict[str, Any]:
+def exported_draft_config(cfg: RootConfig, target_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The draft config.json the export writes for `cfg`, from `target_config` (the target's config.json, its text
+    model's for a wrapper: what the train stage reads) or the target's fields in `cfg`."""
     t, d = cfg.target, cfg.draft
     shape = default_shape(
         t.hidden_size,
@@ -95,7 +99,8 @@ def exported_draft_config(cfg: RootConfig) -> dict[str, Any]:
     ids = engines.to_engine_ids(
         cfg.serve.engine, cfg.aux_layers, t.num_hidden_layers, t.family, cfg.serve.sglang_version
     )
-    return draft_export.draft_config(shape, ids, d.torch_dtype, target_config_of(cfg), shape.max_position_embeddings)
+    target_config = target_config or target_config_of(cfg)
+    return draft_export.draft_config(shape, ids, d.torch_dtype, target_config, shape.max_position_embeddings)
 
 
 # ------------------------------------------------------------------------------------------------- goldens
@@ -145,9 +150,18 @@ def test_optional_flags_follow_the_config():
 
 
 def test_kimi_draft_config_matches_golden():
+    """The Kimi draft's config.json, exported from Kimi-K2.5's own config.json (tests/data/targets): its YaRN rope
+    (beta_fast 32) is the one the published Kimi-K2.5 EAGLE-3 draft trained by SpecForge carries."""
+    from orchestrator.targets import target_config_json
+
     cfg = make_config(["+experiment=kimi_eagle3"])
     assert cfg.aux_layers == [-1, 2, 30]
-    conf = exported_draft_config(cfg)
+    conf = exported_draft_config(cfg, target_config_json(DATA / "targets" / "moonshotai__Kimi-K2.5"))
+    published = json.loads((DATA / "drafts" / "published" / "k-l-lambda__Kimi-K2.5-Eagle3" / "config.json").read_text())
+    assert conf["rope_theta"] == published["rope_theta"] == 50000.0
+    scaling = {k: v for k, v in published["rope_scaling"].items() if k != "type"}
+    assert conf["rope_scaling"] == {"rope_type": "yarn"} | scaling
+    assert conf["rope_scaling"]["beta_fast"] == 32.0
     # sglang >= 0.5.13 reads DeepSeek/Kimi ids as "entering layer k" unless the first id is 1 (PR #25454).
     assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 31]
     assert conf["draft_vocab_size"] == 32000 and conf["target_hidden_size"] == 7168
