@@ -39,7 +39,15 @@ PIPELINE = [
     "target.tiny.train.lr=3e-3",
     "target.tiny.train.warmup_steps=10",
 ]
-KIMI_YARN = {"factor": 64.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+# Kimi-K2.5's YaRN, as its checkpoint's config.json gives it (tests/data/targets), less its original context (the
+# tiny one's is 32 positions)
+KIMI_YARN = {
+    k: v
+    for k, v in json.loads(
+        (Path(__file__).parent / "data" / "targets" / "moonshotai__Kimi-K2.5" / "config.json").read_text()
+    )["text_config"]["rope_parameters"].items()
+    if k not in ("rope_theta", "rope_type", "type", "original_max_position_embeddings")
+}
 # Kimi-K2.5's text_config router keys (docs/kimi_k25.md#the-tiny-target).
 KIMI_ROUTER = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "routed_scaling_factor": 2.827,
                "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0}  # fmt: skip
