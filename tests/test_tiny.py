@@ -110,6 +110,10 @@ def test_reload_and_report(built, arch):
     assert math.isfinite(report["heldout_loss"]) and 0 <= report["heldout_top1"] <= 1
     assert report["weights_sha256"]["files"].keys() == {"model.safetensors"}
     assert report["weights_sha256"] == build_mod.weights_sha256(out)
+    # where its figures hold: the processor, as the build saw it
+    assert report["environment"]["cpu"] and report["environment"]["torch_cpu_capability"] == (
+        torch.backends.cpu.get_cpu_capability()
+    )
 
 
 def test_chat_template_assistant_mask(built):

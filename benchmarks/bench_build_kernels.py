@@ -1,0 +1,78 @@
+"""Do a tiny target's weights depend on which CPU kernels torch and MKL pick? Builds the demo's tiny target for a
+few steps once per environment setting, each in a process of its own, and prints each build's weights hash and
+step time beside the default's.
+
+    .venv/bin/python benchmarks/bench_build_kernels.py [--steps 10] [hydra overrides...]
+
+The settings are the switches that pin a kernel path: MKL's conditional numerical reproducibility (`MKL_CBWR`) and
+torch's own CPU dispatch (`ATEN_CPU_CAPABILITY`). Two default builds give the same hash on one machine (the first
+line checks it); a setting whose hash equals the default's is the path this machine takes anyway. Run it alone.
+docs/measurements.md#figures-and-the-processor has what it printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from orchestrator import conf_dir
+from orchestrator.config import load
+from orchestrator.tiny.build import cpu_identity
+
+SETTINGS = {
+    "default": {},
+    "default, again": {},
+    "MKL_CBWR=AVX512": {"MKL_CBWR": "AVX512"},
+    "MKL_CBWR=AVX2": {"MKL_CBWR": "AVX2"},
+    "MKL_CBWR=AVX2,STRICT ATEN_CPU_CAPABILITY=avx2": {"MKL_CBWR": "AVX2,STRICT", "ATEN_CPU_CAPABILITY": "avx2"},
+}
+
+BUILD = """
+import json, sys
+from orchestrator.tiny import build_tiny_target, load_build_report
+a = json.loads(sys.argv[1])
+build_tiny_target(a["out"], a["arch"], a["model"], a["train"], a["seed"], progress=False)
+r = load_build_report(a["out"])
+print(json.dumps({"sha": r["weights_sha256"]["combined"], "heldout_loss": r["heldout_loss"],
+                  "step_p10_s": r["step_seconds"]["p10"], "capability": r["environment"]["torch_cpu_capability"]}))
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=10)
+    args, overrides = parser.parse_known_args()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = load(compose("config", overrides=["+experiment=tiny_eagle3", *overrides]))
+    t = cfg.target
+    spec = {"arch": t.tiny.arch, "model": dict(t.tiny.model), "train": dict(t.tiny.train, steps=args.steps)}
+    spec["seed"] = cfg.seed
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="bench_build_kernels_") as scratch:
+        for i, (name, env) in enumerate(SETTINGS.items()):
+            a = json.dumps(spec | {"out": str(Path(scratch) / str(i))})
+            done = subprocess.run(
+                [sys.executable, "-c", BUILD, a], env=os.environ | env, capture_output=True, text=True, check=False
+            )
+            if done.returncode:
+                sys.exit(f"{name}: the build failed:\n{done.stderr[-2000:]}")
+            rows[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    base = rows["default"]["sha"]
+    for name, r in rows.items():
+        same = "same weights as default" if r["sha"] == base else "OTHER weights"
+        print(
+            f"{name:50s} {same:24s} held-out loss {r['heldout_loss']:.6f}  torch {r['capability']:7s} "
+            f"step p10 {r['step_p10_s']:.3f} s"
+        )
+    print(json.dumps({"steps": args.steps, **cpu_identity(), "builds": rows}))
+
+
+if __name__ == "__main__":
+    main()
