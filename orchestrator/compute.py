@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import platform
+import shutil
+import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -108,6 +112,43 @@ class Compute:
         else:
             torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def cpu_name() -> str:
+    """The processor, as /proc/cpuinfo names it, with its family and model where it gives them: machines of one
+    host name can differ in it, and a tiny target's weights and a server's speed with it
+    (docs/measurements.md#figures-and-the-processor)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = (s.strip() for s in line.partition(":"))
+            if key in ("model name", "cpu family", "model") and key not in fields:
+                fields[key] = value
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
+
+
+def hardware(gpus: bool) -> str:
+    """The machine a measurement ran on, in words: the processor and, for a job given GPUs, the node's GPUs as
+    nvidia-smi names them. nvidia-smi, not torch.cuda: no CUDA context is opened in a job whose engine, started
+    beside it, sizes its KV cache from the device memory it finds free."""
+    words = cpu_name()
+    smi = shutil.which("nvidia-smi") if gpus else None
+    if smi:
+        try:
+            out = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                                 timeout=30).stdout  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        names = [line.strip() for line in out.splitlines() if line.strip()]
+        if names:
+            counts = {n: names.count(n) for n in dict.fromkeys(names)}
+            words += "; " + ", ".join(f"{k}x {n}" for n, k in counts.items())
+    return words
 
 
 def cpu(dtype: str = "float32") -> Compute:

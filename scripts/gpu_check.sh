@@ -100,6 +100,9 @@ line = {
     "eval_served_states_rel_diff": stages["eval"].get("served_states_rel_diff"),
     "served_accept_length": stages["serve"].get("accept_length"),
     "speedup": stages["serve"].get("speedup"),
+    # the machine the serve job recorded with its passes (orchestrator/compute.py hardware): on a GPU, nvidia-smi's
+    # names of the node's GPUs after the processor's
+    "serve_hardware": stages["serve"]["measured_by"]["baseline"][-1].get("hardware"),
     # bf16 on the GPU: the measured rate that serve.greedy_token_tolerance should be set from
     "greedy_differing_token_rate": stages["serve"].get("greedy_differing_token_rate"),
     "mismatch_flags": summary["mismatch_flags"],

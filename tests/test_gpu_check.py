@@ -8,6 +8,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from orchestrator.compute import hardware
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,6 +34,7 @@ def test_gpu_check_runs_reduced_on_the_cpu(fast_cache, tmp_path):
     # at most 2^-9 of itself
     assert 0 < line["eval_served_states_rel_diff"] < 2**-9
     assert line["bench"], "the benchmark's results are part of the line"
+    assert line["serve_hardware"] == hardware(gpus=False)  # on a GPU, the processor then nvidia-smi's GPU names
 
 
 def test_gpu_check_cuda_arguments_parse_without_a_gpu(tmp_path):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -13,8 +15,10 @@ from conftest import FAST, compose_config, copy_cache
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
+from orchestrator.compute import hardware
 from orchestrator.engines.reference import Reference
 from orchestrator.pipeline import make_plan, run_pipeline
+from orchestrator.stages.serve import measured_elsewhere
 
 
 def test_extract_then_reuse(tiny_config, tmp_path, monkeypatch):
@@ -186,6 +190,8 @@ def test_serving_measurements_are_cached_by_what_decides_them(fast_cache, tmp_pa
 
     first = serve("first")
     assert started(first) == [True, True] and "baseline_from" not in first
+    (by,) = first["measured_by"]["baseline"]
+    assert by["hardware"] == hardware(gpus=False) and "family" in by["hardware"]  # /proc/cpuinfo's on x86 Linux
     again = serve("again")
     assert started(again) == [False, False] and again["server_seconds"] == {}
     assert again["baseline_tok_s"] == first["baseline_tok_s"] and again["spec_tok_s"] == first["spec_tok_s"]
@@ -203,3 +209,25 @@ def test_serving_measurements_are_cached_by_what_decides_them(fast_cache, tmp_pa
     forced = serve("forced", "serve.force=true")
     assert started(forced) == [True, True]
     assert [m["mlflow_run_id"] for m in forced["measured_by"]["baseline"]] == [forced["run"]]
+
+
+def test_a_baseline_from_other_hardware_under_the_same_host_name_is_said_to_come_from_elsewhere(tmp_path):
+    """Machines lent under one host name can have other processors, and a baseline's tok/s is its machine's: a
+    cached baseline another run measured is flagged (`baseline_from`) when its host, its day or its hardware is
+    not this run's. A record written before hardware was recorded is judged by host and day."""
+    here = hardware(gpus=False)
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+    def record(**changed) -> dict:
+        return {"mlflow_run_id": "r0", "run_dir": str(tmp_path), "host": socket.gethostname(), "at": now,
+                "hardware": here} | changed  # fmt: skip
+
+    assert measured_elsewhere([record()], "r1", here) is None
+    assert measured_elsewhere([record(mlflow_run_id="r1", hardware="another")], "r1", here) is None  # its own passes
+    epyc = "AMD EPYC 9654 96-Core Processor (family 25, model 17)"
+    flagged = measured_elsewhere([record(), record(mlflow_run_id="r2", hardware=epyc)], "r1", here)
+    assert flagged == f"measured by run r2 on {socket.gethostname()} ({epyc}) at {now}"
+    assert "node-7" in measured_elsewhere([record(host="node-7")], "r1", here)
+    assert "2026-01-01" in measured_elsewhere([record(at="2026-01-01T09:00:00+00:00")], "r1", here)
+    legacy = {k: v for k, v in record().items() if k != "hardware"}
+    assert measured_elsewhere([legacy], "r1", here) is None

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from orchestrator import engines
 from orchestrator.artifacts import read_json, stable_hash, write_json, write_manifest
-from orchestrator.compute import Compute, resolve_precision
+from orchestrator.compute import Compute, hardware, resolve_precision
 from orchestrator.config import RootConfig
 from orchestrator.data import conversations, prompt_ids
 from orchestrator.draft import export as draft_export
@@ -110,6 +110,7 @@ def measure(
         else:
             fresh = start(have)
             here = {"mlflow_run_id": run[0], "run_dir": run[1], "host": socket.gethostname()}
+            here["hardware"] = hardware(s.resources.gpus_per_node > 0)
             here |= {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "passes": missing}
             here["seconds"] = fresh["seconds"]
             record = {k: v for k, v in fresh.items() if k != "passes"} | {
@@ -134,14 +135,23 @@ def _record_path(cfg: RootConfig, mode: str, key: str) -> Path:
 
 
 def _who(measured_by: list[dict[str, Any]]) -> str:
-    return "; ".join(f"run {m['mlflow_run_id']} on {m['host']} at {m['at']}" for m in measured_by)
+    def one(m: dict[str, Any]) -> str:
+        on = f" ({m['hardware']})" if m.get("hardware") else ""
+        return f"run {m['mlflow_run_id']} on {m['host']}{on} at {m['at']}"
+
+    return "; ".join(one(m) for m in measured_by)
 
 
-def measured_elsewhere(measured_by: list[dict[str, Any]], run_id: str) -> str | None:
-    """Where passes this run did not measure came from another machine or another day: which, in words."""
+def measured_elsewhere(measured_by: list[dict[str, Any]], run_id: str, hardware_here: str) -> str | None:
+    """Where passes this run did not measure came from another machine or another day: which, in words. Another
+    machine is another host name or, under one host name, other hardware (`compute.hardware`): machines lent under
+    one name can have other processors. A record from before hardware was recorded is judged by host and day."""
     here, today = socket.gethostname(), datetime.now(timezone.utc).date().isoformat()
     other = [m for m in measured_by if m["mlflow_run_id"] != run_id]
-    away = [m for m in other if m["host"] != here or not m["at"].startswith(today)]
+    away = [
+        m for m in other
+        if m["host"] != here or not m["at"].startswith(today) or m.get("hardware", hardware_here) != hardware_here
+    ]  # fmt: skip
     return f"measured by {_who(away)}" if away else None
 
 
@@ -376,7 +386,7 @@ def _how_measured(
     result["server_seconds"] = {mode: servers[mode]["seconds"] for mode in servers if started[mode]}
     result["measured_by"] = {mode: servers[mode]["measured_by"] for mode in servers}
     result["serve_keys"] = keys
-    elsewhere = measured_elsewhere(servers["baseline"]["measured_by"], run_id)
+    elsewhere = measured_elsewhere(servers["baseline"]["measured_by"], run_id, hardware(s.resources.gpus_per_node > 0))
     if elsewhere:
         result["baseline_from"] = elsewhere
     return result

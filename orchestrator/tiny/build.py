@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from orchestrator import families, wrappers
+from orchestrator import compute, families, wrappers
 
 from . import kimi_k25
 from .corpus import Conversation, corpus_fingerprint, stdlib_conversations
@@ -475,20 +475,7 @@ def cpu_identity() -> dict[str, str]:
     """The processor a build ran on: its report says where its figures hold. A build is the same on one machine,
     not across machines: the same commit and packages built the tiny Llama to held-out losses 4.97 and 5.12 on two
     (docs/measurements.md#figures-and-the-processor)."""
-    import torch
-
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = (s.strip() for s in line.partition(":"))
-            if key in ("model name", "cpu family", "model") and key not in fields:
-                fields[key] = value
-    except OSError:
-        pass
-    name = fields.get("model name") or platform.processor() or platform.machine()
-    if "cpu family" in fields and "model" in fields:
-        name += f" (family {fields['cpu family']}, model {fields['model']})"
-    return {"cpu": name, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    return {"cpu": compute.cpu_name(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 @contextlib.contextmanager
