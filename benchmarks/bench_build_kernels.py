@@ -2,11 +2,13 @@
 few steps once per environment setting, each in a process of its own, and prints each build's weights hash and
 step time beside the default's.
 
-    .venv/bin/python benchmarks/bench_build_kernels.py [--steps 10] [hydra overrides...]
+    .venv/bin/python benchmarks/bench_build_kernels.py [--steps 10] [--only SETTING...] [hydra overrides...]
 
-The settings are the switches that pin a kernel path: MKL's conditional numerical reproducibility (`MKL_CBWR`) and
-torch's own CPU dispatch (`ATEN_CPU_CAPABILITY`). Two default builds give the same hash on one machine (the first
-line checks it); a setting whose hash equals the default's is the path this machine takes anyway. Run it alone.
+The settings are the switches that pin a kernel path: MKL's conditional numerical reproducibility (`MKL_CBWR`),
+torch's own CPU dispatch (`ATEN_CPU_CAPABILITY`) and oneDNN's (`ONEDNN_MAX_CPU_ISA`). Two default builds give the
+same hash on one machine (the first line checks it); a setting whose hash equals the default's is the path this
+machine takes anyway. `--only` builds the default and the settings named (with `--steps 300`, the demo's whole
+build: minutes each). Run it alone.
 docs/measurements.md#figures-and-the-processor has what it printed.
 """
 
@@ -32,6 +34,8 @@ SETTINGS = {
     "MKL_CBWR=AVX512": {"MKL_CBWR": "AVX512"},
     "MKL_CBWR=AVX2": {"MKL_CBWR": "AVX2"},
     "MKL_CBWR=AVX2,STRICT ATEN_CPU_CAPABILITY=avx2": {"MKL_CBWR": "AVX2,STRICT", "ATEN_CPU_CAPABILITY": "avx2"},
+    # and oneDNN's own dispatch, the third library torch computes with on a CPU: every path an AVX2 machine has
+    "all three at AVX2": {"MKL_CBWR": "AVX2,STRICT", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
 }
 
 BUILD = """
@@ -48,6 +52,8 @@ print(json.dumps({"sha": r["weights_sha256"]["combined"], "heldout_loss": r["hel
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--only", nargs="+", choices=list(SETTINGS), metavar="SETTING",
+                        help="build the default and these settings only (a long build per setting)")  # fmt: skip
     args, overrides = parser.parse_known_args()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = load(compose("config", overrides=["+experiment=tiny_eagle3", *overrides]))
@@ -56,7 +62,8 @@ def main() -> None:
     spec["seed"] = cfg.seed
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench_build_kernels_") as scratch:
-        for i, (name, env) in enumerate(SETTINGS.items()):
+        chosen = {k: v for k, v in SETTINGS.items() if not args.only or k == "default" or k in args.only}
+        for i, (name, env) in enumerate(chosen.items()):
             a = json.dumps(spec | {"out": str(Path(scratch) / str(i))})
             done = subprocess.run(
                 [sys.executable, "-c", BUILD, a], env=os.environ | env, capture_output=True, text=True, check=False
