@@ -14,6 +14,7 @@ extraction of a target that fits one GPU), several when a task must spread a lar
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import shutil
@@ -115,9 +116,9 @@ class Compute:
 
 
 def cpu_name() -> str:
-    """The processor, as /proc/cpuinfo names it, with its family and model where it gives them: machines of one
-    host name can differ in it, and a tiny target's weights and a server's speed with it
-    (docs/measurements.md#figures-and-the-processor)."""
+    """The processor, as /proc/cpuinfo names it, with its family and model where it gives them: machines that
+    share a host name (containers and VMs often do) can differ in it, and a tiny target's weights and a server's
+    speed with it (docs/measurements.md#figures-and-the-processor)."""
     fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -132,6 +133,7 @@ def cpu_name() -> str:
     return name
 
 
+@functools.cache  # a process's machine does not change: nvidia-smi runs once per job
 def hardware(gpus: bool) -> str:
     """The machine a measurement ran on, in words: the processor and, for a job given GPUs, the node's GPUs as
     nvidia-smi names them. nvidia-smi, not torch.cuda: no CUDA context is opened in a job whose engine, started

@@ -212,7 +212,7 @@ def test_serving_measurements_are_cached_by_what_decides_them(fast_cache, tmp_pa
 
 
 def test_a_baseline_from_other_hardware_under_the_same_host_name_is_said_to_come_from_elsewhere(tmp_path):
-    """Machines lent under one host name can have other processors, and a baseline's tok/s is its machine's: a
+    """Machines that share a host name can have other processors, and a baseline's tok/s is its machine's: a
     cached baseline another run measured is flagged (`baseline_from`) when its host, its day or its hardware is
     not this run's. A record written before hardware was recorded is judged by host and day."""
     here = hardware(gpus=False)

@@ -144,8 +144,9 @@ def _who(measured_by: list[dict[str, Any]]) -> str:
 
 def measured_elsewhere(measured_by: list[dict[str, Any]], run_id: str, hardware_here: str) -> str | None:
     """Where passes this run did not measure came from another machine or another day: which, in words. Another
-    machine is another host name or, under one host name, other hardware (`compute.hardware`): machines lent under
-    one name can have other processors. A record from before hardware was recorded is judged by host and day."""
+    machine is another host name or, under one host name, other hardware (`compute.hardware`): machines that share
+    a host name (containers and VMs often do) can have other processors. A record from before hardware was
+    recorded is judged by host and day."""
     here, today = socket.gethostname(), datetime.now(timezone.utc).date().isoformat()
     other = [m for m in measured_by if m["mlflow_run_id"] != run_id]
     away = [
