@@ -74,6 +74,7 @@ class Compute:
             "dtype": str(self.dtype).removeprefix("torch."),
             "world_size": self.world_size,
             "backend": self.backend,
+            "subnormals": denormal_mode(),  # on the CPU threads: "flushed" in a stage job (pipeline.run_stage)
         }
 
     def barrier(self) -> None:
@@ -113,6 +114,34 @@ class Compute:
         else:
             torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def flush_denormals() -> bool:
+    """Subnormal floats flushed to zero (x86's FTZ and DAZ, AArch64's FZ) on every torch CPU thread; whether they
+    are now. A CPU computes on subnormals (below 1.2e-38 in float32) in microcode, tens of times slower: the
+    softmaxes and SiLUs of a small model trained at a high rate make many, and the tiny Llama's 300-step build took
+    2.6 times as long without this (docs/measurements.md#subnormal-floats). The numbers change only where a value
+    is that small.
+
+    The mode is each thread's own (torch.set_flush_denormal sets the calling thread's): torch's OpenMP threads take
+    it from the thread that starts them, so this must run before the process's first parallel operation. A job
+    calls it first (`pipeline.run_stage`); False says some thread started earlier keeps subnormals."""
+    torch.set_flush_denormal(True)
+    return flushes_denormals()
+
+
+def flushes_denormals() -> bool:
+    """Whether every torch CPU thread flushes subnormals."""
+    return denormal_mode() == "flushed"
+
+
+def denormal_mode() -> str:
+    """"flushed" (every torch CPU thread flushes subnormals to zero), "kept" (none does) or "mixed": twice the
+    smallest subnormal, made from its bits (a float literal would itself be flushed), on every thread's share of
+    a parallel multiply."""
+    doubled = torch.ones(1 << 18, dtype=torch.int32).view(torch.float32) * 2.0
+    flushed = int((doubled == 0).sum())
+    return "flushed" if flushed == doubled.numel() else "kept" if flushed == 0 else "mixed"
 
 
 def cpu_name() -> str:

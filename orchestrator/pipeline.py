@@ -279,6 +279,8 @@ def run_stage(stage: str, cfg: RootConfig, plan: Plan, run_id: str, finalize: bo
 
     module = importlib.import_module(f"orchestrator.stages.{stage}")
     node = getattr(cfg, stage)
+    # Before any parallel operation: torch's threads take the mode from the thread that starts them.
+    compute_mod.flush_denormals()
     # The job's CPUs decide torch's thread count, not the machine it lands on: float reductions, and so the
     # stage's numbers, are the same on a laptop, a local job and a Slurm job with the same resources.
     torch.set_num_threads(node.resources.cpus_per_task)

@@ -8,10 +8,14 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from orchestrator import conf_dir
+from orchestrator import compute, conf_dir
 from orchestrator.config import RootConfig, load
 from orchestrator.draft.model import DraftShape
 from orchestrator.engines.sglang import cli as sglang
+
+# Subnormals flushed on every torch thread, as in a stage job (pipeline.run_stage): first, before any test runs a
+# parallel operation, so that the threads torch starts take the mode.
+compute.flush_denormals()
 
 # The files that take longest on 2 cores, longest first (their durations in CI's `--durations` report). With
 # `--dist loadfile --no-loadscope-reorder` (scripts/test.sh) the two workers take whole files in this order, then

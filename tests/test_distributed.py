@@ -88,6 +88,7 @@ def test_extraction_holds_the_same_sequences_and_states_with_two_ranks(runs):
         "dtype": "float32",
         "world_size": 2,
         "backend": "gloo",
+        "subnormals": "flushed",  # every CPU thread of the job (pipeline.run_stage)
     }
     assert summary2["stages"]["extract"]["tokens"] == summary1["stages"]["extract"]["tokens"]
     # rank 1 extracted its shards in its own process (its own submitit task log)
@@ -115,6 +116,7 @@ def test_two_rank_training_reaches_the_one_rank_weights(runs):
     params = MlflowClient(summary2["tracking_uri"]).get_run(summary2["mlflow_run_id"]).data.params
     assert params["train.world_size"] == "2" and params["extract.world_size"] == "2"
     assert params["train.device"] == "cpu" and params["train.dtype"] == "float32"
+    assert params["train.subnormals"] == "flushed" and params["extract.subnormals"] == "flushed"
 
 
 def test_two_rank_training_killed_mid_run_resumes_to_the_same_weights(runs, tmp_path):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import TINY_KIMI_TRAIN
 
+from orchestrator import compute
 from orchestrator.tiny import build as build_mod
 from orchestrator.tiny import build_tiny_target, load_build_report, spec_hash, stdlib_conversations
 from orchestrator.tiny.corpus import is_heldout
@@ -163,6 +164,41 @@ def test_deterministic_and_cached(built, fast_specs, arch, tmp_path):
     assert time.perf_counter() - t0 < 1.0
     assert report_path.stat().st_mtime_ns == mtime
     assert build_mod.weights_sha256(built[arch]) == first["weights_sha256"]
+
+
+KEPT_MODE_BUILDS = """
+import json, sys, torch
+from orchestrator import compute
+from orchestrator.tiny import build_tiny_target, load_build_report
+torch.ones(1 << 18) * 2.0  # torch's threads start here, keeping subnormals
+assert compute.denormal_mode() == "kept"
+for name, spec in json.loads(sys.argv[1]).items():
+    report = load_build_report(build_tiny_target(sys.argv[2] + "/" + name, **spec, seed=0, progress=False))
+    print(name, report["weights_sha256"]["combined"], report["environment"]["subnormals"])
+"""
+
+
+def test_a_build_flushes_subnormals_as_its_spec_says_whoever_asks(fast_specs, tmp_path):
+    """A build's threads flush subnormals or keep them as `train.flush_denormals` says, whatever mode the caller's
+    threads run in: here (flushed, conftest) and in a process whose threads started keeping them. Each mode is
+    built in the caller's process by one and in a process of its own by the other, to the same weights."""
+    import subprocess
+    import sys
+
+    spec = fast_specs["llama"]
+    specs = {f"flush_{flush}": {**spec, "train": {**spec["train"], "flush_denormals": flush}} for flush in (True, False)}
+    assert compute.denormal_mode() == "flushed"
+    here = {}
+    for name, s in specs.items():
+        report = load_build_report(build_tiny_target(tmp_path / "here" / name, **s, seed=0, progress=False))
+        here[name] = (report["weights_sha256"]["combined"], report["environment"]["subnormals"])
+    assert compute.denormal_mode() == "flushed"  # the caller's threads as they were
+    done = subprocess.run([sys.executable, "-c", KEPT_MODE_BUILDS, json.dumps(specs), str(tmp_path / "there")],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    there = {name: (sha, mode) for name, sha, mode in (line.split() for line in done.stdout.splitlines())}
+    assert here == there
+    assert here["flush_True"][1] == "flushed" and here["flush_False"][1] == "kept"
 
 
 def test_other_seed_differs_and_spec_mismatch_raises(built, fast_specs, tmp_path):

@@ -190,6 +190,7 @@ def serve(spool: Path, log: Path | None = None) -> int:
     from orchestrator.states.manifest import load_manifest_checked
     from orchestrator.states.shards import load_split
 
+    compute_mod.flush_denormals()  # as the extract job that wrote the offline states (pipeline.run_stage)
     spool = Path(spool)
     parent = os.getppid()
     spec: StreamSpec = pickle.loads((spool / SPEC).read_bytes())

@@ -12,6 +12,11 @@ CPU instruction set and torch thread count, a step-limited build produces bit-id
 because it is global state and importing it pulls in torch._dynamo). A different thread count can
 change float reduction order and hence the weights: pin ``train["threads"]`` to make builds
 comparable across machines. A ``seconds``-limited build is not reproducible.
+
+Subnormal floats: ``train["flush_denormals"]`` (the spec's, so the cache's) says whether every torch thread
+flushes them to zero during the build. The mode is each thread's own and torch's threads take it when they start
+(`compute.flush_denormals`), so a caller whose threads already run in the other mode, or in both, builds in a
+process of its own, started in the spec's mode: the weights never depend on who asked for them.
 """
 
 from __future__ import annotations
@@ -108,6 +113,7 @@ TRAIN_KEYS = (
     "eval_sequences",
     "max_files",  # corpus subsample; None: every file
     "threads",  # torch intra-op threads during the build; None: leave torch's setting
+    "flush_denormals",  # subnormal floats flushed to zero on every thread (compute.flush_denormals)
 )
 MODEL_KEYS = ("vocab_size", "max_position_embeddings")  # read by the builder itself; the rest go to the HF config
 
@@ -465,6 +471,7 @@ def _train_and_save(tmp: Path, spec: dict[str, Any], progress: bool) -> dict[str
             "transformers": transformers.__version__,
             "tokenizers": tokenizers.__version__,
             "torch_threads": torch.get_num_threads(),
+            "subnormals": compute.denormal_mode(),  # on the threads that built it: the spec's flush_denormals
             "machine": platform.machine(),
             **cpu_identity(),
         },
@@ -476,6 +483,29 @@ def cpu_identity() -> dict[str, str]:
     not across machines: the same commit and packages built the tiny Llama to held-out losses 4.97 and 5.12 on two
     (docs/measurements.md#figures-and-the-processor)."""
     return {"cpu": compute.cpu_name(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def _build_in_mode(tmp: Path, spec: dict[str, Any], progress: bool) -> dict[str, Any]:
+    """`_train_and_save` with subnormals as the spec says on every thread: here when this process's threads
+    already are so, else in a process of its own that sets the mode before its first parallel operation."""
+    flush, threads = bool(spec["train"]["flush_denormals"]), spec["train"]["threads"]
+    if compute.denormal_mode() == ("flushed" if flush else "kept"):
+        with _isolated_torch_state(threads):
+            return _train_and_save(tmp, spec, progress)
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_build_in_new_process, tmp, spec, progress, threads or torch.get_num_threads()).result()
+
+
+def _build_in_new_process(tmp: Path, spec: dict[str, Any], progress: bool, threads: int) -> dict[str, Any]:
+    torch.set_flush_denormal(bool(spec["train"]["flush_denormals"]))  # before any parallel operation
+    torch.set_num_threads(threads)
+    mode = compute.denormal_mode()
+    if mode != ("flushed" if spec["train"]["flush_denormals"] else "kept"):
+        raise RuntimeError(f"a fresh build process's torch threads have subnormals {mode}")
+    return _train_and_save(tmp, spec, progress)
 
 
 @contextlib.contextmanager
@@ -549,8 +579,7 @@ def build_tiny_target(
         tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            with _isolated_torch_state(spec["train"]["threads"]):
-                report = _train_and_save(tmp, spec, progress)
+            report = _build_in_mode(tmp, spec, progress)
             (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
             if out_dir.exists():
                 out_dir.rmdir()  # empty (checked above); rename cannot replace a non-empty dir

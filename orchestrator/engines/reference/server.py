@@ -401,6 +401,7 @@ def main(argv: list[str] | None = None) -> None:
         help="the target's dtype (the draft keeps its config's)",
     )
     args = parser.parse_args(argv)
+    compute_mod.flush_denormals()  # as eval computes, in its job (pipeline.run_stage)
     if args.threads:
         torch.set_num_threads(args.threads)
     compute = compute_mod.Compute(
