@@ -136,9 +136,9 @@ def flushes_denormals() -> bool:
 
 
 def denormal_mode() -> str:
-    """"flushed" (every torch CPU thread flushes subnormals to zero), "kept" (none does) or "mixed": twice the
-    smallest subnormal, made from its bits (a float literal would itself be flushed), on every thread's share of
-    a parallel multiply."""
+    """The mode of torch's CPU threads: "flushed" (every one flushes subnormals to zero), "kept" (none does) or
+    "mixed". Twice the smallest subnormal, made from its bits (a float literal would itself be flushed), on every
+    thread's share of a parallel multiply."""
     doubled = torch.ones(1 << 18, dtype=torch.int32).view(torch.float32) * 2.0
     flushed = int((doubled == 0).sum())
     return "flushed" if flushed == doubled.numel() else "kept" if flushed == 0 else "mixed"

@@ -186,7 +186,7 @@ def test_a_build_flushes_subnormals_as_its_spec_says_whoever_asks(fast_specs, tm
     import sys
 
     spec = fast_specs["llama"]
-    specs = {f"flush_{flush}": {**spec, "train": {**spec["train"], "flush_denormals": flush}} for flush in (True, False)}
+    specs = {f"flush_{f}": {**spec, "train": {**spec["train"], "flush_denormals": f}} for f in (True, False)}
     assert compute.denormal_mode() == "flushed"
     here = {}
     for name, s in specs.items():
