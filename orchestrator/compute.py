@@ -120,7 +120,7 @@ def flush_denormals() -> bool:
     """Subnormal floats flushed to zero (x86's FTZ and DAZ, AArch64's FZ) on every torch CPU thread; whether they
     are now. A CPU computes on subnormals (below 1.2e-38 in float32) in microcode, tens of times slower: the
     softmaxes and SiLUs of a small model trained at a high rate make many, and the tiny Llama's 300-step build took
-    2.6 times as long without this (docs/measurements.md#subnormal-floats). The numbers change only where a value
+    1.7 times as long without this (docs/measurements.md#subnormal-floats). The numbers change only where a value
     is that small.
 
     The mode is each thread's own (torch.set_flush_denormal sets the calling thread's): torch's OpenMP threads take
