@@ -300,6 +300,7 @@ def test_training_as_a_two_task_job_reaches_the_one_task_weights(slurm_extracted
         "dtype": "float32",
         "world_size": 2,
         "backend": "gloo",
+        "subnormals": "flushed",  # in a Slurm task too (pipeline.run_stage)
     }
     assert summaries["two"]["stages"]["extract"]["cached"] is True
     w1, w2 = (load_file(str(Path(t["draft_dir"]) / "model.safetensors")) for t in (t1, t2))
