@@ -201,6 +201,14 @@ def test_a_build_flushes_subnormals_as_its_spec_says_whoever_asks(fast_specs, tm
     assert here["flush_True"][1] == "flushed" and here["flush_False"][1] == "kept"
 
 
+def test_a_processor_that_cannot_flush_subnormals_names_the_key_that_builds_without(fast_specs, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch, "set_flush_denormal", lambda mode: False)  # what torch answers on such a processor
+    spec = fast_specs["llama"]
+    with pytest.raises(RuntimeError, match=r"target\.tiny\.train\.flush_denormals=false"):
+        build_mod._build_in_new_process(tmp_path, {**spec, "seed": 0}, False, 1)
+    assert not any(tmp_path.iterdir())
+
+
 def test_other_seed_differs_and_spec_mismatch_raises(built, fast_specs, tmp_path):
     spec = fast_specs["llama"]
     other = build_tiny_target(tmp_path / "seed1", **spec, seed=1, progress=False)

@@ -500,7 +500,11 @@ def _build_in_mode(tmp: Path, spec: dict[str, Any], progress: bool) -> dict[str,
 
 
 def _build_in_new_process(tmp: Path, spec: dict[str, Any], progress: bool, threads: int) -> dict[str, Any]:
-    torch.set_flush_denormal(bool(spec["train"]["flush_denormals"]))  # before any parallel operation
+    if not torch.set_flush_denormal(bool(spec["train"]["flush_denormals"])):  # before any parallel operation
+        raise RuntimeError(
+            "target.tiny.train.flush_denormals: this processor cannot flush subnormal floats (torch.set_flush_denormal"
+            " needs x86 with SSE3 or AArch64); build with target.tiny.train.flush_denormals=false"
+        )
     torch.set_num_threads(threads)
     mode = compute.denormal_mode()
     if mode != ("flushed" if spec["train"]["flush_denormals"] else "kept"):
