@@ -127,11 +127,6 @@ def flush_denormals() -> bool:
     it from the thread that starts them, so this must run before the process's first parallel operation. A job
     calls it first (`pipeline.run_stage`); False says some thread started earlier keeps subnormals."""
     torch.set_flush_denormal(True)
-    return flushes_denormals()
-
-
-def flushes_denormals() -> bool:
-    """Whether every torch CPU thread flushes subnormals."""
     return denormal_mode() == "flushed"
 
 

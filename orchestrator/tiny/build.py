@@ -488,8 +488,8 @@ def cpu_identity() -> dict[str, str]:
 def _build_in_mode(tmp: Path, spec: dict[str, Any], progress: bool) -> dict[str, Any]:
     """`_train_and_save` with subnormals as the spec says on every thread: here when this process's threads
     already are so, else in a process of its own that sets the mode before its first parallel operation."""
-    flush, threads = bool(spec["train"]["flush_denormals"]), spec["train"]["threads"]
-    if compute.denormal_mode() == ("flushed" if flush else "kept"):
+    threads = spec["train"]["threads"]
+    if compute.denormal_mode() == _wanted_mode(spec):
         with _isolated_torch_state(threads):
             return _train_and_save(tmp, spec, progress)
     import multiprocessing
@@ -499,15 +499,21 @@ def _build_in_mode(tmp: Path, spec: dict[str, Any], progress: bool) -> dict[str,
         return pool.submit(_build_in_new_process, tmp, spec, progress, threads or torch.get_num_threads()).result()
 
 
+def _wanted_mode(spec: dict[str, Any]) -> str:
+    """The `compute.denormal_mode` a build's spec asks its threads for."""
+    return "flushed" if spec["train"]["flush_denormals"] else "kept"
+
+
 def _build_in_new_process(tmp: Path, spec: dict[str, Any], progress: bool, threads: int) -> dict[str, Any]:
-    if not torch.set_flush_denormal(bool(spec["train"]["flush_denormals"])):  # before any parallel operation
+    flush = bool(spec["train"]["flush_denormals"])
+    if not torch.set_flush_denormal(flush) and flush:  # before any parallel operation
         raise RuntimeError(
             "target.tiny.train.flush_denormals: this processor cannot flush subnormal floats (torch.set_flush_denormal"
             " needs x86 with SSE3 or AArch64); build with target.tiny.train.flush_denormals=false"
         )
     torch.set_num_threads(threads)
     mode = compute.denormal_mode()
-    if mode != ("flushed" if spec["train"]["flush_denormals"] else "kept"):
+    if mode != _wanted_mode(spec):
         raise RuntimeError(f"a fresh build process's torch threads have subnormals {mode}")
     return _train_and_save(tmp, spec, progress)
 
