@@ -93,7 +93,7 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     extract.pop("max_bytes")  # a budget, not an input: the same shards whatever it is
     extract.pop("force")  # how, not what: the same shards again
     extract.pop("python")  # where vLLM lives; its version is the engine's (below)
-    for key in ("startup_timeout_s", "request_timeout_s", "engine_restarts"):
+    for key in ("startup_timeout_s", "request_timeout_s", "write_timeout_s", "engine_restarts"):
         extract.pop(key)  # how long to wait for the engine, and how often to start it again, decide nothing computed
     extract = engines.get(cfg.extract.engine, engines.CAPTURE).capture_key(cfg, extract)
     if cfg.train.states == "stream":  # the train split's shards hold its token ids alone

@@ -162,3 +162,42 @@ def test_a_dead_engine_is_restarted_and_a_stalled_one_fails_within_the_request_t
     assert "restarts used up (extract.engine_restarts=1)" in message and f"its log: {log}" in message, message
     assert timeout_s <= waited < timeout_s + 5, waited
     assert log.read_text().count("[extract] vLLM capture engine, start") == 2
+
+
+@pytest.mark.vllm
+def test_capture_waits_for_a_connector_that_writes_after_the_request_is_done(
+    vllm_python, tiny_kimi_dir, tiny_config, tmp_path, monkeypatch
+):
+    """vLLM's GPU connector reports a request done once its states are copied to the host and writes the file
+    later from a thread pool, its `.lock` held until the file is whole. The CPU connector does the same, here with
+    each write 2 s late (ORCHESTRATOR_CONNECTOR_WRITE_DELAY_S): the capture takes each file only once whole, and
+    one not whole within extract.write_timeout_s fails the request naming the file. (Stepping the idle engine a
+    fixed number of times, as capture did before, ends in milliseconds and finds no file.)"""
+    delay_s = 2.0
+    monkeypatch.setenv("ORCHESTRATOR_CONNECTOR_WRITE_DELAY_S", str(delay_s))
+    cfg = tiny_config(*_kimi(tiny_kimi_dir, vllm_python, tmp_path / "outputs"), experiment="tiny_kimi_eagle3")
+    work, log = tmp_path / "work", tmp_path / "logs" / "vllm_capture.log"
+    prompts = [list(range(5, 25)), list(range(30, 42))]
+    engine = CaptureEngine(cfg, tiny_kimi_dir, 0, work, log)
+    try:
+        engine.send({"prompts": prompts, "out": str(work / "answers" / "whole"), "max_tokens": 1})
+        sent = time.monotonic()
+        report = engine.answer()
+        waited = time.monotonic() - sent
+        for prompt, path in zip(prompts, report["files"], strict=True):
+            states = load_file(path)  # a file read half-written does not parse
+            assert states["token_ids"].tolist() == prompt
+            assert states["hidden_states"].shape[0] == len(prompt) and torch.isfinite(states["hidden_states"]).all()
+            assert not Path(path + ".lock").exists()
+        assert waited >= delay_s, waited
+
+        late = work / "answers" / "late"
+        engine.send({"prompts": prompts[:1], "out": str(late), "max_tokens": 1, "write_timeout_s": 0.5})
+        with pytest.raises(RuntimeError) as failed:
+            engine.answer()
+    finally:
+        engine.close()
+    message = str(failed.value)
+    assert "vLLM's connector had not finished writing" in message and "its lock still held" in message, message
+    assert "0.5 s after the request was done (extract.write_timeout_s)" in message, message
+    assert str(work / "raw") in message and f"its log: {log}" in message, message

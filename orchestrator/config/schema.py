@@ -186,6 +186,10 @@ class ExtractConfig:
     startup_timeout_s: float = MISSING
     request_timeout_s: float = MISSING
     engine_restarts: int = MISSING
+    # vLLM's connector writes a finished request's file after reporting it done (on a GPU, from a thread pool, its
+    # `.lock` held until the file is whole): each file is awaited this long after the one before it, then the
+    # request fails naming the file
+    write_timeout_s: float = MISSING
 
 
 @dataclass

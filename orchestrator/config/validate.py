@@ -191,7 +191,7 @@ def validate(cfg: RootConfig) -> None:
         f"extract.teacher={cfg.extract.teacher!r}: expected one of {layer_contract.TEACHER_KINDS}",
     )
     check(cfg.extract.dtype in DTYPES, f"extract.dtype={cfg.extract.dtype!r}: expected one of {DTYPES}")
-    for key in ("startup_timeout_s", "request_timeout_s"):
+    for key in ("startup_timeout_s", "request_timeout_s", "write_timeout_s"):
         check(getattr(cfg.extract, key) > 0, f"extract.{key}={getattr(cfg.extract, key)}: expected > 0 (seconds)")
     check(cfg.extract.engine_restarts >= 0, f"extract.engine_restarts={cfg.extract.engine_restarts}: expected >= 0")
     check_extract_engine(cfg)

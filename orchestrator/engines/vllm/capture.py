@@ -129,6 +129,7 @@ class CaptureEngine:
         e = cfg.extract
         self.work, self.log, self.queue = Path(work), Path(log), Path(work) / "queue"
         self.startup_timeout_s, self.request_timeout_s = e.startup_timeout_s, e.request_timeout_s
+        self.write_timeout_s = e.write_timeout_s  # each state file whole within this (side/capture.py)
         self.restarts, self.restarts_left = e.engine_restarts, e.engine_restarts
         if engine_args is None:  # the extraction's engine: its layers and precision
             engine_args = cli.extract_engine_args(cfg, target_path, self.work, gpus)
@@ -161,7 +162,7 @@ class CaptureEngine:
     def send(self, request: dict) -> None:
         """Queues `request` (side/capture.py's REQUEST) behind those sent before."""
         self.sent += 1
-        request = {"name": f"req-{self.sent:08d}.json", **request}
+        request = {"name": f"req-{self.sent:08d}.json", "write_timeout_s": self.write_timeout_s, **request}
         if not self.pending and self.busy_since is not None:  # an idle engine takes it now
             self.busy_since = time.time()
         self.pending.append(request)

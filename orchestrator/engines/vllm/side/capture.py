@@ -12,7 +12,8 @@ the target, `--speculative-config {"method": "extract_hidden_states", ...}` with
 vLLM's own on GPUs). They are read by vLLM's own parser (EngineArgs' command line), so what a dry run prints and
 checks is what the engine runs with; `--parse-only` stops there.
 
-REQUEST.json: {"prompts": [[token ids], ...], "out": dir, "include_output_tokens": false, "max_tokens": 1}.
+REQUEST.json: {"prompts": [[token ids], ...], "out": dir, "include_output_tokens": false, "max_tokens": 1,
+"write_timeout_s": 600}.
 Request i's states land in `out/<i>.safetensors`: `hidden_states` [tokens, len(ids), hidden] in the order of the
 ids, and `token_ids`. With `include_output_tokens` the tokens are the prompt and the generated response but its
 last token (vLLM's one-pass mode: generate, then the states of prompt plus response). Prints one JSON line:
@@ -36,6 +37,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+WRITE_TIMEOUT_S = 600.0  # extract.write_timeout_s
 
 
 def engine_kwargs(argv: list[str]) -> dict:
@@ -120,16 +122,9 @@ def capture(llm, request: dict) -> dict:
     for i, path in enumerate(paths):
         if not path:
             raise RuntimeError(f"request {i}: vLLM returned no hidden_states_path ({outputs[i].kv_transfer_params})")
-    # A finished request's states are written by the connector at the engine's next step (its blocks are held
-    # until then): step the idle engine until every file is there.
-    for _ in range(100):
-        if all(os.path.exists(p) and not _locked(p) for p in paths):
-            break
-        llm.llm_engine.step()
+    _wait_written(llm, paths, float(request.get("write_timeout_s", WRITE_TIMEOUT_S)))
     files, generated = [], []
     for i, (result, path) in enumerate(zip(outputs, paths)):
-        if not os.path.exists(path):
-            raise RuntimeError(f"request {i}: vLLM's connector wrote no {path}")
         target = out / f"{i}.safetensors"
         shutil.move(path, target)
         if os.path.exists(path + ".lock"):
@@ -161,19 +156,52 @@ def _llvmlite_lib_without_dunders() -> None:
     ffi._lib_wrapper.__getattr__ = __getattr__
 
 
-def _locked(path: str) -> bool:
-    """The connector holds the companion lock file exclusively until the write is done."""
+def _wait_written(llm, paths: list[str], timeout_s: float) -> None:
+    """Returns once every file of `paths` is whole. vLLM's connector starts a finished request's write at the
+    engine's next step and, on a GPU, reports the request done once its states are copied to the host: the file is
+    written afterwards by a thread pool, which holds the file's `.lock` exclusively until then (vLLM's own reader,
+    `load_hidden_states`, blocks on that lock; so does hs-connectors' `wait_for_lock`). So the idle engine is
+    stepped (to start the writes) until each file is there and its lock is free. The clock restarts as each file
+    is done: a file not whole `timeout_s` after the one before it (extract.write_timeout_s) fails the request,
+    naming it."""
+    import time
+
+    waiting, since = list(paths), time.monotonic()
+    while waiting:
+        done = [p for p in waiting if _written(p)]
+        if done:
+            waiting, since = [p for p in waiting if p not in done], time.monotonic()
+            continue
+        if time.monotonic() - since > timeout_s:
+            path = waiting[0]
+            state = "its lock still held" if os.path.exists(path + ".lock") else "no file and no lock"
+            raise RuntimeError(
+                f"vLLM's connector had not finished writing {path} ({state}) {timeout_s:g} s after "
+                f"{'the request was done' if len(waiting) == len(paths) else 'the file before it'} "
+                f"(extract.write_timeout_s); {len(waiting)} of {len(paths)} files unwritten"
+            )
+        llm.llm_engine.step()  # an idle engine returns at once; a finished request's write starts at a step
+        time.sleep(0.005)
+
+
+def _written(path: str) -> bool:
+    """Whether the connector's file at `path` is whole: it exists and its companion lock, which the connector holds
+    exclusively from before the path is returned until the file is written, is free (or was never taken)."""
     import fcntl
 
-    if not os.path.exists(path + ".lock"):
+    if not os.path.exists(path):
         return False
-    with open(path + ".lock") as lock:
+    try:
+        lock = open(path + ".lock")
+    except FileNotFoundError:  # a connector without the lock (use_synchronization_lock off) writes synchronously
+        return True
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return True
+            return False
         fcntl.flock(lock, fcntl.LOCK_UN)
-    return False
+    return True
 
 
 if __name__ == "__main__":
