@@ -59,6 +59,23 @@ def sequences_per_conversation(cfg: RootConfig) -> float:
     return answered_turns(cfg.data) if cfg.data.name == "jsonl" else 1.0
 
 
+def stream_bytes_per_token(cfg: RootConfig) -> int:
+    """A token's states on the stream: the captured aux layers and the teacher, `target.hidden_size` values each,
+    in `extract.dtype`."""
+    return (len(captured_layers(cfg)) + 1) * cfg.target.hidden_size * DTYPE_BYTES[cfg.extract.dtype]
+
+
+def stream_buffer(cfg: RootConfig) -> tuple[int, int, int]:
+    """The capture service's sequences a request, and how far it may run ahead of its trainers, in sequences and
+    in bytes: `train.stream.request_sequences` (null: one step's batch, `train.batch_size`),
+    `train.stream.buffer_sequences` (null: two requests) and `train.stream.buffer_bytes` (null: that many
+    sequences at `data.max_seq_len` tokens, `stream_bytes_per_token` each)."""
+    st = cfg.train.stream
+    request = st.request_sequences or cfg.train.batch_size
+    sequences = st.buffer_sequences or 2 * request
+    return request, sequences, st.buffer_bytes or sequences * cfg.data.max_seq_len * stream_bytes_per_token(cfg)
+
+
 def stream_cost(cfg: RootConfig) -> dict[str, Any] | None:
     """train.states=stream on paper (the dry run prints it): the bytes a token's states take on the stream, an epoch
     at most (`data.max_train_conversations` x `data.max_seq_len` tokens), what each choice of epochs costs (capture
@@ -67,7 +84,7 @@ def stream_cost(cfg: RootConfig) -> dict[str, Any] | None:
     t, st = cfg.train, cfg.train.stream
     if t.states != "stream":
         return None
-    per_token = (len(captured_layers(cfg)) + 1) * cfg.target.hidden_size * DTYPE_BYTES[cfg.extract.dtype]
+    per_token = stream_bytes_per_token(cfg)
     samples = round(cfg.data.max_train_conversations * sequences_per_conversation(cfg))
     epoch_bytes = samples * cfg.data.max_seq_len * per_token
     epochs = t.max_steps * t.batch_size / samples if t.max_steps else float(t.epochs)
@@ -80,7 +97,8 @@ def stream_cost(cfg: RootConfig) -> dict[str, Any] | None:
         "epochs": epochs,
         "recapture": {"capture_passes": epochs, "bytes_kept": 0},
         "replay": {"capture_passes": min(epochs, 1.0) + later * (1 - kept / epoch_bytes), "bytes_kept": kept},
-        "buffer_bytes": st.buffer_bytes,
+        "buffer_bytes": stream_buffer(cfg)[2],
+        "buffer_sequences": stream_buffer(cfg)[1],
         # where the service runs: a Slurm job of its own with the extraction's resources, or beside rank 0
         "service_job": cfg.cluster.kind == "slurm" and st.join is None,
         "service_resources": {k: getattr(cfg.extract.resources, k) for k in ("nodes", "gpus_per_node")},

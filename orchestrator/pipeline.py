@@ -391,7 +391,8 @@ def print_stream_cost(st: dict[str, Any], resources: dict[str, Any]) -> None:
     print(
         f"train streams its states (train.states=stream; docs/streaming.md): {st['bytes_per_token']:,} bytes/token, "
         f"an epoch at most {st['epoch_tokens']:,} tokens = {st['epoch_bytes'] / 1e9:,.1f} GB through the stream, "
-        f"none stored; spool bound train.stream.buffer_bytes={st['buffer_bytes']:,}"
+        f"none stored; the service runs ahead by {st['buffer_sequences']} sequences and {st['buffer_bytes']:,} bytes "
+        "at most (train.stream.buffer_sequences, buffer_bytes)"
     )
     re, rp = st["recapture"], st["replay"]
     print(

@@ -5,12 +5,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/pip install -q -c requirements.lock -e '.[dev,kimi]'
+.venv/bin/pip install -q -c requirements.lock -e '.[dev,kimi,mooncake]'
 
 state_dir="$PWD/outputs/slurm-test"
 cleanup() { bash tests/infra/slurm_cluster.sh stop "$state_dir" >/dev/null 2>&1 || true; }
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   bash tests/infra/slurm_cluster.sh install
+  # Mooncake Store's transfer engine links libibverbs even for TCP (train.stream.transport=mooncake tests)
+  dpkg -s libibverbs1 >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive apt-get -q -y install libibverbs1 >&2 \
+    || { apt-get -q update >&2 && DEBIAN_FRONTEND=noninteractive apt-get -q -y install libibverbs1 >&2; } \
+    || echo "libibverbs1 could not be installed: the Mooncake tests will be skipped" >&2
   # Debian's chromium and its driver for the MLflow UI test (tests/test_mlflow_ui.py); no browser download
   command -v chromedriver >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get -q -y install chromium chromium-driver >&2 \
     || { apt-get -q update >&2 && DEBIAN_FRONTEND=noninteractive apt-get -q -y install chromium chromium-driver >&2; } \

@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,13 +31,18 @@ BUFFER = 200_000  # about two sequences of the FAST tiny target's states: the se
 
 @pytest.fixture(scope="module")
 def both(tiny_config, fast_cache, tmp_path_factory):
-    """The FAST tiny experiment's extraction and draft, offline (the session's, `fast_cache`) and streamed."""
+    """The FAST tiny experiment's extraction and draft, offline (the session's, `fast_cache`), streamed through the
+    spool's files, and streamed through Mooncake Store (its master started by the service, on loopback TCP)."""
     fast_cache("extract", "train")  # the offline run's keys: neither the cluster nor train.stream key them
     runs = {}
-    for mode in ("offline", "stream"):
-        cfg = tiny_config("stages=[extract,train]", "cluster=debug", f"train.states={mode}",
-                          f"train.stream.buffer_bytes={BUFFER}")  # fmt: skip
-        run_dir = tmp_path_factory.mktemp(mode)
+    for mode in ("offline", "stream", "mooncake"):
+        states = "offline" if mode == "offline" else "stream"
+        transport = "mooncake" if mode == "mooncake" else "file"
+        chosen = ("stages=[extract,train]", "cluster=debug", f"train.states={states}",
+                  f"train.stream.buffer_bytes={BUFFER}", f"train.stream.transport={transport}")  # fmt: skip
+        cfg, run_dir = tiny_config(*chosen), tmp_path_factory.mktemp(mode)
+        if mode == "mooncake":  # the transport keys nothing (the same draft): trained again in outputs of its own
+            cfg = compose_config(copy_cache(cfg.outputs, run_dir / "outputs"), *chosen)
         summary = run_pipeline(cfg, run_dir)
         runs[mode] = (cfg, make_plan(cfg, run_dir), summary)
     return runs
@@ -46,13 +52,29 @@ def _draft(plan) -> dict[str, torch.Tensor]:
     return load_file(str(plan.dir("train") / "draft" / "model.safetensors"))
 
 
-def test_streamed_draft_equals_the_offline_draft_bit_for_bit(both):
-    (_, offline, off_summary), (_, streamed, on_summary) = both["offline"], both["stream"]
+@pytest.mark.parametrize("transport", ["stream", "mooncake"])
+def test_streamed_draft_equals_the_offline_draft_bit_for_bit(both, transport):
+    (_, offline, off_summary), (_, streamed, on_summary) = both["offline"], both[transport]
     a, b = _draft(offline), _draft(streamed)
     assert a.keys() == b.keys()
     for name in a:  # HF's capture in float32 on the CPU: the service computes what the extraction stored
         assert torch.equal(a[name], b[name]), name
     assert on_summary["stages"]["train"]["val_acc_0"] == off_summary["stages"]["train"]["val_acc_0"]
+
+
+def test_mooncake_carries_the_states_and_the_spool_the_control_plane_alone(both):
+    """Through Mooncake the service's job started its master, the states went through the store (hard-pinned, within
+    the buffer) and the spool held no state: only the control plane and the keys held, now none."""
+    cfg, plan, summary = both["mooncake"]
+    report = summary["stages"]["train"]["stream"]
+    assert report["transport"] == "mooncake" and report["store"]["protocol"] == "tcp", report
+    assert report["store"]["master"].startswith("127.0.0.1:"), report
+    assert 0 < report["peak_spool_bytes"] <= BUFFER
+    assert report["captured_sequences"] == cfg.train.max_steps * cfg.train.batch_size
+    spool = plan.dir("train") / "stream"
+    assert not list(spool.rglob("*.safetensors")) and not list((spool / "held").iterdir())
+    log = (spool / "service.log").read_text(errors="replace")
+    assert "states travel through {'transport': 'mooncake'" in log, log[-2000:]
 
 
 def test_streamed_extraction_keeps_the_train_token_ids_alone(both):
@@ -182,17 +204,23 @@ def test_vllm_as_the_capture_service_trains_the_draft_and_answers_its_eval(vllm_
     # each stage in this process (cluster=debug): both runs' six stages without a job's start-up each
     common = ("cluster=debug", "stages=[extract,train,eval]", "data.regenerate.enabled=false",
               "extract.dtype=float32", "train.stream.buffer_bytes=1000000")  # fmt: skip
-    summaries = {}
+    summaries, streamed = {}, ["extract.engine=vllm", f"extract.python={vllm_python}", "train.states=stream",
+                               "eval.engine=vllm", "extract.extra_layers=[2]"]  # fmt: skip
     for mode, chosen in (
         ("offline", ["extract.engine=hf", "train.states=offline"]),
-        ("stream", ["extract.engine=vllm", f"extract.python={vllm_python}", "train.states=stream",
-                    "eval.engine=vllm", "extract.extra_layers=[2]"]),
-    ):  # fmt: skip
+        ("stream", streamed),
+        ("mooncake", [*streamed, "train.stream.transport=mooncake"]),
+    ):
         cfg = tiny_config(*common, *chosen)
+        if mode == "mooncake":  # the transport keys nothing: trained and evaluated again, in outputs of their own
+            cfg = compose_config(copy_cache(cfg.outputs, tmp_path / "mooncake_outputs"), *common, *chosen)
         summaries[mode] = run_pipeline(cfg, tmp_path / mode)
-    offline, online = (summaries[m]["stages"] for m in ("offline", "stream"))
-    print(f"eval acc_0: offline {offline['eval']['acc_0']:.4f}, streamed by vLLM {online['eval']['acc_0']:.4f}")
+    offline, online, mooncake = (summaries[m]["stages"] for m in ("offline", "stream", "mooncake"))
+    print(f"eval acc_0: offline {offline['eval']['acc_0']:.4f}, streamed by vLLM {online['eval']['acc_0']:.4f} "
+          f"through files, {mooncake['eval']['acc_0']:.4f} through Mooncake")  # fmt: skip
     assert abs(offline["eval"]["acc_0"] - online["eval"]["acc_0"]) <= 0.01
+    assert abs(mooncake["eval"]["acc_0"] - online["eval"]["acc_0"]) <= 0.01
+    assert mooncake["train"]["stream"]["transport"] == "mooncake" and online["train"]["stream"]["transport"] == "file"
     report = online["train"]["stream"]
     assert 0 < report["peak_spool_bytes"] <= 1_000_000
     assert report["captured_sequences"] == cfg.train.max_steps * cfg.train.batch_size
@@ -553,3 +581,38 @@ def test_eval_loads_its_own_target_where_the_service_cannot_answer_it(fast_cache
     assert not (spool / stream.CONSUMERS / f"{name}.json").exists(), "eval left the service"
     assert ask({"dtype": "torch.bfloat16", "eval_layers": None}, [1, 4, 6]) is None
     assert "the capture service computes in torch.bfloat16 and this job in torch.float32" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root's unshare: a folder of a process's own"
+)
+def test_a_trainer_that_does_not_see_the_services_spool_fails_in_seconds_naming_it(both, tmp_path):
+    """A trainer on a node that does not share the service's spool would wait for states that never come, and fail
+    only after train.stream.stall_timeout_s with "no sign of life". Reproduced on one machine: the trainer runs in a
+    mount namespace of its own, where a tmpfs hides the spool the service prepared, as a node's own /tmp or
+    /dev/shm would; it fails as its training starts, naming the folder and saying why."""
+    cfg, plan, _ = both["stream"]
+    spool = tmp_path / "spool"
+    stream.prepare(spool, stream.StreamSpec.of(cfg, plan, None), consumers=["trainer"])
+    outputs = copy_cache(cfg.outputs, tmp_path / "outputs")
+    chosen = ("stages=[extract,train]", "cluster=local", "train.states=stream", f"train.stream.join={spool}",
+              "train.stream.stall_timeout_s=600", f"train.stream.buffer_bytes={BUFFER}")  # fmt: skip
+    script = (
+        "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from conftest import compose_config; "
+        "from orchestrator.pipeline import run_pipeline; "
+        f"run_pipeline(compose_config(Path({str(outputs)!r}), *{chosen!r}), Path({str(tmp_path / 'run')!r}))"
+    )
+    began = time.monotonic()
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f'mount -t tmpfs tmpfs "{spool}" && exec "{sys.executable}" -c "$0"', script],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    took = time.monotonic() - began
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert f"train.stream.join={spool}: this node" in out and "does not see the capture service's spool" in out, out[
+        -3000:
+    ]
+    assert "no sign of life" not in out and took < 60, (took, out[-3000:])
+    assert (spool / stream.SPEC).exists(), "outside the trainer's namespace the spool is the service's, untouched"

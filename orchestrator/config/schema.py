@@ -193,9 +193,25 @@ class ExtractConfig:
 
 
 @dataclass
+class MooncakeConfig:
+    # how states cross nodes: tcp, or rdma (a plan that asks for rdma and gets tcp is refused unless allow_tcp)
+    protocol: str = MISSING
+    # the address the service's master and store listen on; null: loopback with cluster=local, else the node's
+    host: Optional[str] = MISSING
+    allow_tcp: bool = MISSING
+
+
+@dataclass
 class StreamConfig:
+    # the data plane (orchestrator/states/store.py): file (one file per sequence in the spool, for one node) or
+    # mooncake (Mooncake Store, its master started by the service's job: states cross nodes without the spool)
+    transport: str = MISSING
+    mooncake: MooncakeConfig = MISSING
     # how far the capture service may run ahead of the trainer: the spool's bytes (one sequence always fits)
-    buffer_bytes: int = MISSING
+    buffer_bytes: Optional[int] = MISSING
+    # and in sequences (null: two requests); the engine is sent this many sequences a request (null: a step's batch)
+    buffer_sequences: Optional[int] = MISSING
+    request_sequences: Optional[int] = MISSING
     # the folder the states pass through; null: <train stage folder>/stream (/dev/shm on one node is memory)
     spool: Optional[str] = MISSING
     # a trainer waiting for a state fails when the service has given no sign of life for this long

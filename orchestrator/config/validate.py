@@ -29,6 +29,7 @@ from orchestrator.config.schema import (
     one_pass,
     tasks_per_node,
 )
+from orchestrator.states.store import TRANSPORTS
 
 
 def load(cfg: DictConfig | dict) -> RootConfig:
@@ -100,8 +101,15 @@ def check_stream(cfg: RootConfig) -> None:
         )
     if t.from_draft is not None:
         raise ConfigError("train.states=stream with train.from_draft: an imported draft is not trained, set one")
-    if t.stream.buffer_bytes < 1:
-        raise ConfigError(f"train.stream.buffer_bytes={t.stream.buffer_bytes}: expected >= 1")
+    if t.stream.transport not in TRANSPORTS:
+        raise ConfigError(f"train.stream.transport={t.stream.transport!r}: expected one of {TRANSPORTS}")
+    if t.stream.mooncake.protocol not in ("tcp", "rdma"):
+        raise ConfigError(f"train.stream.mooncake.protocol={t.stream.mooncake.protocol!r}: expected tcp or rdma")
+    for key in ("buffer_bytes", "buffer_sequences", "request_sequences"):
+        if getattr(t.stream, key) is not None and getattr(t.stream, key) < 1:
+            raise ConfigError(
+                f"train.stream.{key}={getattr(t.stream, key)}: expected >= 1, or null (sized for the run)"
+            )
     if t.stream.replay_bytes < 0:
         raise ConfigError(f"train.stream.replay_bytes={t.stream.replay_bytes}: expected >= 0 (0: every epoch captures)")
     if t.stream.stall_timeout_s <= 0:

@@ -26,6 +26,7 @@ from orchestrator.config import RootConfig
 from orchestrator.draft import export as draft_export
 from orchestrator.draft import rope as draft_rope
 from orchestrator.draft.model import Eagle3Draft, default_shape
+from orchestrator.estimates import stream_buffer
 from orchestrator.results import TrainResult
 from orchestrator.states import stream
 from orchestrator.states.manifest import load_manifest_checked
@@ -349,13 +350,19 @@ def _run(cfg: RootConfig, plan, tracker, compute: Compute) -> TrainResult | None
 def _stream_report(cfg: RootConfig, stream, tracker) -> dict[str, Any]:
     """What streaming cost this training, printed and logged: the trainer's wait, the capture rate, and the spool's
     peak against its bound."""
-    report = stream.report() | {"buffer_bytes": cfg.train.stream.buffer_bytes}
+    report = stream.report() | {"buffer_bytes": stream_buffer(cfg)[2]}
     print(
         f"[train] stream: waited {report['wait_s']:.1f} s for states; captured {report['captured_tokens']} tokens at "
         f"{report['capture_tokens_per_s']:.0f} tokens/s; spool peak {report['peak_spool_bytes']} bytes "
         f"(train.stream.buffer_bytes={report['buffer_bytes']})"
     )
-    tracker.metrics({k: float(v) for k, v in report.items()}, prefix="train/stream_")
+    store = report.get("store") or {}
+    print(f"[train] stream: states through {report['transport']}" + (
+        f" ({store['protocol']}, master {store['master']})" if report["transport"] == "mooncake" else ""
+    ))  # fmt: skip
+    tracker.params({f"train/stream_{k}": store[k] for k in ("transport", "protocol") if k in store})
+    numbers = {k: float(v) for k, v in report.items() if isinstance(v, (int, float))}
+    tracker.metrics(numbers, prefix="train/stream_")
     return report
 
 

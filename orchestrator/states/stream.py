@@ -38,6 +38,7 @@ import json
 import math
 import os
 import pickle
+import secrets
 import shutil
 import socket
 import subprocess
@@ -52,6 +53,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from orchestrator.artifacts import ArtifactError, atomic_path
+from orchestrator.states import store as stores
 from orchestrator.states.shards import SequenceStates, layer_columns, pack
 from orchestrator.states.source import step_indices
 
@@ -65,6 +67,7 @@ READS = "reads"
 DROPPED = "dropped"  # why a registered consumer was left out, for it to say when it starts (`declare`)
 SERVICE_JOB = "service_job"  # the Slurm job id of a service that is a job of its own, for its consumers' `after:`
 EVAL = "eval"
+SHARED = "shared"  # a number `prepare` writes: every reader of the spool must see it (`check_shared`)
 HEARTBEAT_S = 2.0
 POLL_S = 0.02
 
@@ -88,16 +91,21 @@ class StreamSpec:
     replay_bytes: int = 0
     # several trainers (a layer search's trials) read this service: the steps are theirs (`declare`), not the spec's
     shared: bool = False
+    buffer_sequences: int = 2  # how far ahead in sequences, as `buffer_bytes` in bytes
+    request_sequences: int = 1  # the sequences of one request to the engine
 
     @classmethod
     def of(cls, cfg, plan, trainer_pid: int | None, steps: tuple[int, int] | None = None) -> StreamSpec:
         """The service `cfg` asks for, over `plan`'s extraction and target, watching `trainer_pid` (None: a job of
         its own): for one trainer from `steps` = (start step, total steps), or, with no steps, shared by the
         consumers that register with it (each declares its own)."""
+        from orchestrator.estimates import stream_buffer
+
         st, (start, total) = cfg.train.stream, steps or (0, 0)
+        request, sequences, size = stream_buffer(cfg)
         return cls(
-            cfg, str(plan.dir("extract")), plan.target_dir, start, total, st.buffer_bytes, trainer_pid,
-            st.replay_bytes, shared=steps is None,
+            cfg, str(plan.dir("extract")), plan.target_dir, start, total, size, trainer_pid, st.replay_bytes,
+            shared=steps is None, buffer_sequences=sequences, request_sequences=request,
         )  # fmt: skip
 
 
@@ -170,17 +178,6 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def spool_bytes(spool: Path) -> int:
-    total = 0
-    for entry in os.scandir(spool):
-        if entry.name.endswith(".safetensors"):
-            try:
-                total += entry.stat().st_size
-            except FileNotFoundError:  # read and deleted meanwhile
-                pass
-    return total
-
-
 def serve(spool: Path, log: Path | None = None) -> int:
     """The service's main: the train split's states, in the trainer's order, into the spool. Returns 0 when every
     step's states are written, 3 when the trainer is gone or asked it to stop. `log`: where its output goes, for
@@ -209,14 +206,22 @@ def serve(spool: Path, log: Path | None = None) -> int:
     evals = bool(_role(consumers(spool), "eval"))
     engine = engines.get(cfg.extract.engine, engines.CAPTURE)
     status.update(eval_layers=engine.eval_layers(layers) if evals else [])  # what an eval consumer may ask for
-    capture = engine.open_stream(cfg, Path(spec.target_path), layers, compute, spool / "engine", answers_eval=evals)
+    store, master = stores.open_service_store(cfg, spool, spec.buffer_bytes)
+    status.update(store=store.describe())
+    print(f"[stream] states travel through {store.describe()}", flush=True)
     try:
-        return _capture(spool, spec, parent, status, tokens, capture)
+        capture = engine.open_stream(cfg, Path(spec.target_path), layers, compute, spool / "engine", evals)
+        try:
+            return _capture(spool, spec, parent, status, tokens, capture, store)
+        finally:
+            capture.close()
     finally:
-        capture.close()
+        store.close()
+        if master is not None:
+            master.close()
 
 
-def _capture(spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens, capture) -> int:
+def _capture(spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens, capture, store) -> int:
     """The trainer's steps into the spool; a shared service's steps are its consumers' (`declare`), and it starts
     over, the spool emptied, when one declares again."""
     replay = _Replay(spool / REPLAY, spec.replay_bytes)
@@ -233,7 +238,7 @@ def _capture(spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens
             declared = {name: c["declared"] for name, c in found.items()}
             start, total = min(c["steps"][0] for c in found.values()), max(c["steps"][1] for c in found.values())
         try:
-            code = _capture_steps(spool, spec, parent, status, tokens, capture, replay, start, total, declared)
+            code = _capture_steps(spool, spec, parent, status, tokens, capture, store, replay, start, total, declared)
             return _answer_evals(spool, spec, parent, status, capture, code)
         except _Conflict as why:
             print(f"[stream] {why}: stopping", flush=True)
@@ -241,29 +246,47 @@ def _capture(spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens
             return 3
         except _Rewind as why:
             print(f"[stream] {why}: starting over", flush=True)
-            for entry in spool.glob("*.safetensors"):
-                entry.unlink(missing_ok=True)
+            for name in store.keys():
+                store.release(name)
             for marks in (spool / READS).glob("*"):
                 shutil.rmtree(marks, ignore_errors=True)
                 marks.mkdir()
 
 
 def _capture_steps(
-    spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens, capture, replay, start, total, declared
+    spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens, capture, store, replay, start, total, declared
 ) -> int:
+    """Steps `start`..`total`'s sequences into the store in the trainers' order. The engine captures the next
+    request's sequences (`_captured`, in a thread of its own) while this thread hands the last one's over (waiting
+    for room, putting), so neither waits for the other but when the buffer is full."""
+    status.update(state="capturing", replay_bytes_used=replay.used)
+    print(f"[stream] capturing {len(tokens)} sequences' states, steps {start}..{total}, "
+          f"{spec.request_sequences} sequences a request", flush=True)  # fmt: skip
+    with _Ahead(_captured(spec, status, tokens, capture, replay, start, total), spec.request_sequences) as ahead:
+        for position, index, tensors in ahead:
+            if not _put(spool, spec, parent, status, store, stores.key(position, index), tensors, declared):
+                status.update(state="stopped")
+                return 3
+            status.update(position=position + 1)
+    status.update(state="done")
+    print(f"[stream] done: {status.values['sequences']} sequences, {status.values['tokens']} tokens")
+    return 0
+
+
+def _captured(spec: StreamSpec, status: _Status, tokens, capture, replay, start: int, total: int):
+    """(position, index, tensors) of each sequence of steps `start`..`total`, in the trainers' order:
+    `spec.request_sequences` sequences a request to the engine, those the replay holds read from it instead. The
+    log counts each epoch's captured and replayed sequences (`_Passes`)."""
     from orchestrator.data import Rendered
 
     cfg = spec.cfg
-    status.update(state="capturing", replay_bytes_used=replay.used)
-    print(f"[stream] capturing {len(tokens)} sequences' states, steps {start}..{total}", flush=True)
-    batch, per_forward = cfg.train.batch_size, cfg.extract.batch_size
-    per_epoch = math.ceil(len(tokens) / batch)
-    passes = _Passes(per_epoch)
+    batch = cfg.train.batch_size
+    passes = _Passes(math.ceil(len(tokens) / batch))
     for step in range(start, total):
         passes.at(step, status)
         order = step_indices(len(tokens), batch, cfg.train.seed, step)
-        for first in range(0, len(order), per_forward):
-            chunk = order[first : first + per_forward]
+        for first in range(0, len(order), spec.request_sequences):
+            chunk = order[first : first + spec.request_sequences]
             kept = {i: replay.get(i) for i in chunk}
             todo = [i for i in chunk if kept[i] is None]
             rendered = [Rendered(ids.tolist(), mask.int().tolist()) for ids, mask in map(tokens.tokens, todo)]
@@ -278,19 +301,63 @@ def _capture_steps(
             status.add(replayed_sequences=len(chunk) - len(todo))
             status.update(replay_bytes_used=replay.used)
             for offset, index in enumerate(chunk):
-                position = step * batch + first + offset
-                tensors = kept[index]
-                size = sum(t.numel() * t.element_size() for t in tensors.values())
-                if not _wait_for_room(spool, spec, parent, status, size, declared):
-                    status.update(state="stopped")
-                    return 3
-                with atomic_path(spool / f"{position:012d}-{index:09d}.safetensors") as tmp:
-                    save_file(tensors, str(tmp))
-                status.update(position=position + 1)
+                yield step * batch + first + offset, index, kept[index]
     passes.end(status)
-    status.update(state="done")
-    print(f"[stream] done: {status.values['sequences']} sequences, {status.values['tokens']} tokens")
-    return 0
+
+
+class _Ahead:
+    """Iterates `items` (a generator) computed in a thread of its own, at most `depth` items ahead of the reader.
+    An error in the thread is raised to the reader; leaving the `with` stops the thread and waits for it, so the
+    engine it calls is never called from two threads (a service starting over starts a new one)."""
+
+    _END = object()
+
+    def __init__(self, items, depth: int):
+        import queue
+
+        self.items, self.queue, self.stopped = items, queue.Queue(maxsize=max(1, depth)), threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="stream-capture")
+
+    def __enter__(self) -> _Ahead:
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        import queue
+
+        try:
+            for item in self.items:
+                while not self.stopped.is_set():
+                    try:
+                        self.queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        pass
+                if self.stopped.is_set():
+                    return
+            self.queue.put(self._END)
+        except BaseException as err:  # the reader raises it
+            self.queue.put(err)
+
+    def __iter__(self):
+        while True:
+            item = self.queue.get()
+            if item is self._END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def __exit__(self, *exc) -> None:
+        import queue
+
+        self.stopped.set()
+        while self.thread.is_alive():  # it may be blocked on a full queue: empty it until it sees the flag
+            try:
+                self.queue.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        self.items.close()
 
 
 def _answer_evals(spool: Path, spec: StreamSpec, parent: int, status: _Status, capture, code: int) -> int:
@@ -376,23 +443,28 @@ class _Replay:
         self.used += self.path(index).stat().st_size
 
 
-def _wait_for_room(
-    spool: Path, spec: StreamSpec, parent: int, status: _Status, size: int, declared: dict[str, float]
-) -> bool:
-    """Waits until the spool has room for `size` more bytes (an empty one always has); False when the trainer is
-    gone or asked to stop. A shared service deletes what its consumers have read meanwhile (`_collect`)."""
-    began = time.time()
+def _put(spool: Path, spec: StreamSpec, parent: int, status: _Status, store, name: str, tensors, declared) -> bool:
+    """`tensors` into the store as `name` once it holds under `buffer_bytes` with them (an empty store always has
+    room) and the store takes them (a full Mooncake segment refuses: wait); False when the trainer is gone or asked
+    to stop. A shared service deletes what its consumers have read meanwhile (`_collect`)."""
+    began, size = time.time(), stores.nbytes(tensors)
     while True:
         if (spool / STOP).exists() or not _trainer_alive(spec, parent):
             return False
-        if spec.shared and not _collect(spool, spec, declared):
+        if spec.shared and not _collect(spool, spec, store, declared):
             print("[stream] every trainer has ended: stopping", flush=True)
             return False
-        used = spool_bytes(spool)
-        if used == 0 or used + size <= spec.buffer_bytes:
-            status.add(blocked_s=time.time() - began)
-            status.update(peak_spool_bytes=max(status.values["peak_spool_bytes"], used + size))
-            return True
+        used, held = store.held_bytes(), len(store.keys())
+        if used == 0 or (used + size <= spec.buffer_bytes and held < spec.buffer_sequences):
+            if store.put(name, tensors):
+                status.add(blocked_s=time.time() - began)
+                status.update(peak_spool_bytes=max(status.values["peak_spool_bytes"], used + size))
+                return True
+            if used == 0:
+                raise stores.StoreError(
+                    f"{store.describe()}: an empty store refused sequence {name} ({size} bytes): its segment is "
+                    "smaller than one sequence (raise train.stream.buffer_bytes)"
+                )
         time.sleep(POLL_S)
 
 
@@ -563,7 +635,7 @@ def _job_ended(spec: StreamSpec, folder: str, job_id: str) -> bool:
     return state not in runner.ACTIVE_STATES and state != "UNKNOWN"
 
 
-def _collect(spool: Path, spec: StreamSpec, began: dict[str, float]) -> bool:
+def _collect(spool: Path, spec: StreamSpec, store, began: dict[str, float]) -> bool:
     """Deletes the files every consumer has read (or starts past); False when no consumer is left. Raises `_Rewind`
     when a consumer has declared since the service began (`began`: each consumer's declaration then), `_Conflict`
     when others read meanwhile."""
@@ -583,15 +655,13 @@ def _collect(spool: Path, spec: StreamSpec, began: dict[str, float]) -> bool:
     if again:
         raise _Rewind(f"consumer {', '.join(again)} declared steps {declared[again[0]]['steps']}")
     batch = spec.cfg.train.batch_size
-    for entry in os.scandir(spool):
-        if not entry.name.endswith(".safetensors"):
-            continue
-        position = entry.name.split("-")[0]  # the name a consumer's mark takes
+    for held in store.keys():
+        position = held.split("-")[0]  # the name a consumer's mark takes
         if all(
             int(position) < c["steps"][0] * batch or (spool / READS / name / position).exists()
             for name, c in declared.items()
         ):
-            Path(entry.path).unlink(missing_ok=True)
+            store.release(held)
             for name in declared:
                 (spool / READS / name / position).unlink(missing_ok=True)
     return True
@@ -614,7 +684,29 @@ def prepare(spool: Path, spec: StreamSpec, consumers: Iterable[str] = (), evals:
         register(spool, name)
     for name in evals:
         register(spool, name, role="eval")
+    (spool / SHARED).write_text(json.dumps({"mark": secrets.randbits(31), "host": socket.gethostname()}))
     (spool / SPEC).write_bytes(pickle.dumps(spec))
+
+
+def check_shared(spool: Path, compute, what: str) -> None:
+    """Every rank sees the spool `prepare` wrote (the same `SHARED` mark as rank 0): a spool on a node's own disk
+    is not the service's, and a trainer there would wait for states that never come. Fails on each rank that does
+    not, naming the folder and this node, before any state is awaited."""
+    try:
+        mark = json.loads((Path(spool) / SHARED).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        mark = {"mark": -1, "host": None}
+    seen = torch.zeros(compute.world_size, dtype=torch.int64)
+    seen[compute.rank] = mark["mark"]
+    seen = compute.all_reduce_sum(seen.to(compute.device)).cpu() if compute.distributed else seen
+    if mark["mark"] == -1 or seen[compute.rank] != seen[0]:
+        found = "nothing there" if mark["mark"] == -1 else f"another service's folder (prepared on {mark['host']})"
+        raise StreamError(
+            f"{what}={spool}: this node ({socket.gethostname()}, rank {compute.rank}) does not see the capture "
+            f"service's spool ({found}): the folder must be on a file system that the service's node and every "
+            "trainer's share (a node's /tmp or /dev/shm is its own). Across nodes, set train.stream.spool to a "
+            "shared folder, with train.stream.transport=mooncake so that the states themselves do not cross it"
+        )
 
 
 def serve_job(spool: str) -> int:
@@ -691,6 +783,7 @@ class StreamedSplit:
         # a trainer with a service of its own deletes each file as it reads it
         self.consumer, self.start_position, self.beat = consumer, start_position, beat
         self.wait_s, self.opened = 0.0, time.time()
+        self.store: stores.StateStore | None = None  # the service's, once it has published it
 
     def __len__(self) -> int:
         return self.size
@@ -704,19 +797,14 @@ class StreamedSplit:
         if self.beat is not None:  # the rank that declared this consumer says it has ended, however it ended
             self.beat.stop()
             unregister(self.spool, self.consumer)
+        if self.store is not None:
+            self.store.close()
 
     def _next(self, index: int) -> SequenceStates:
         began = time.time()
         while True:
-            found = sorted(self.spool.glob(f"*-{index:09d}.safetensors"))
-            if self.consumer is not None:  # another consumer's, or one this consumer read in an earlier epoch
-                found = [f for f in found if self._unread(f)]
-            if found:  # the earliest position: a later one is the same sequence in a later epoch
-                tensors = load_file(str(found[0]))
-                if self.consumer is None:
-                    found[0].unlink()
-                else:
-                    (self.spool / READS / self.consumer / found[0].name.split("-")[0]).touch()
+            tensors = self._take(index)
+            if tensors is not None:
                 self.wait_s += time.time() - began
                 aux = tensors["aux_hidden_states"]
                 return SequenceStates(
@@ -728,8 +816,30 @@ class StreamedSplit:
             self._check_alive(index)
             time.sleep(POLL_S)
 
-    def _unread(self, path: Path) -> bool:
-        position = path.name.split("-")[0]
+    def _take(self, index: int) -> dict[str, torch.Tensor] | None:
+        """Sequence `index`'s tensors at its earliest unread position (a later one is the same sequence in a later
+        epoch), released (its own service's) or marked read (a shared one's); None while there is none."""
+        if self.store is None:
+            address = stores.published(self.spool)
+            if address is None:  # the service has not opened its store yet
+                return None
+            self.store = stores.open_consumer_store(self.spool, address)
+        found = [k for k in self.store.keys() if stores.index_of(k) == index]
+        if self.consumer is not None:  # another consumer's, or one this consumer read in an earlier epoch
+            found = [k for k in found if self._unread(k)]
+        for name in found:
+            tensors = self.store.take(name)
+            if tensors is None:  # released meanwhile (another epoch's, read by every consumer)
+                continue
+            if self.consumer is None:
+                self.store.release(name)
+            else:
+                (self.spool / READS / self.consumer / name.split("-")[0]).touch()
+            return tensors
+        return None
+
+    def _unread(self, name: str) -> bool:
+        position = name.split("-")[0]
         return int(position) >= self.start_position and not (self.spool / READS / self.consumer / position).exists()
 
     def _check_alive(self, index: int) -> None:
@@ -741,6 +851,8 @@ class StreamedSplit:
         status = read_status(self.spool) or {}
         capture_s = status.get("capture_s", 0.0)
         return {
+            "transport": (status.get("store") or {}).get("transport", "file"),
+            "store": status.get("store"),
             "wait_s": round(self.wait_s, 3),
             "captured_sequences": status.get("sequences", 0),
             "captured_tokens": status.get("tokens", 0),
@@ -890,6 +1002,7 @@ def open_stream(cfg, plan, manifest: dict[str, Any], layers: list[int], compute,
     columns = layer_columns(manifest, layers)
     if st.join is not None:  # a service the layer search runs for its trials: this run is one of its consumers
         spool, consumer, beat = Path(st.join), Path(plan.run_dir).name, None
+        check_shared(spool, compute, "train.stream.join")
         if compute.is_main:
             _check_joinable(spool, cfg, plan)
             declare(spool, consumer, start_step, total)
@@ -904,6 +1017,7 @@ def open_stream(cfg, plan, manifest: dict[str, Any], layers: list[int], compute,
     if compute.is_main:
         service = CaptureService(spool, StreamSpec.of(cfg, plan, os.getpid(), (start_step, total))).start()
     compute.barrier()
+    check_shared(spool, compute, "train.stream.spool")
     return StreamedSplit(spool, size, columns, st.stall_timeout_s, service)
 
 

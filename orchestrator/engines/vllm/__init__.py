@@ -177,7 +177,7 @@ class VLLM(Serving, Capturing):
         continuations), its arguments checked by vLLM's own parser. Its folder is shown for a spool in the train
         stage's folder (a Slurm run's; a local run's is beside it), and its GPUs are those of its job: on Slurm
         the extraction's resources, else the training node's devices."""
-        work = Path(cfg.train.stream.spool or plan.dir("train") / "stream") / "engine" / "engine"
+        work = Path("$TMPDIR/vllm-capture-XXXXXXXX/engine")  # the service node's own (capture.node_local)
         if cfg.cluster.kind == "slurm":
             gpus = cfg.extract.resources.gpus_per_node // tasks_per_node(cfg, "extract")
         else:

@@ -11,6 +11,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -259,14 +260,18 @@ class VLLMStream:
     does (extract.request_timeout_s, startup_timeout_s, engine_restarts); each batch one request, its files
     assembled as the extract stage assembles a shard's. `answers_eval`: a service that answers its run's eval too
     (`evaluator`): the target's head is loaded before the engine starts, and the engine has room for eval's
-    continuations."""
+    continuations.
+
+    `work` holds the engine's log (in a capture service's spool, where its consumers name it); vLLM's files, its
+    queue and the answers are in a folder of this node's own (`node_local`): at Kimi's scale they are hundreds of
+    MB a sequence, which a shared spool must not carry on their way to the store."""
 
     def __init__(
-        self, cfg, target_path, layers, compute, work: Path, engine_args: list[str] | None = None,
-        answers_eval: bool = False,
+        self, cfg, target_path, layers, compute, work: Path, engine_args=None, answers_eval: bool = False,
     ):  # fmt: skip
         self.cfg, self.target_path, self.compute = cfg, target_path, compute
         self.work, self.captured, self.sent = Path(work), list(layers), 0
+        self.local = node_local("vllm-capture-")
         self.assemble = assembler(cfg, target_path)
         # the head on this process's device before the engine starts: vLLM claims gpu_memory_utilization of the
         # device for itself and refuses to start where less is free then (vllm/v1/worker/utils.py request_memory at
@@ -274,9 +279,11 @@ class VLLMStream:
         self.head = teacher_head(cfg, target_path, compute) if answers_eval else None
         gpus = sum(d.type == "cuda" for d in compute.devices)
         if engine_args is None:  # a capture service's: the extraction's layers
-            engine_args = cli.extract_engine_args(cfg, target_path, self.work / "engine", gpus, answers_eval)
+            args = cli.extract_engine_args(cfg, target_path, self.local / "engine", gpus, answers_eval)
+        else:  # the engine's arguments for its folder of vLLM's files
+            args = engine_args(self.local / "engine")
         self.log = self.work / "vllm.log"
-        self.engine = CaptureEngine(cfg, target_path, gpus, self.work / "engine", self.log, engine_args)
+        self.engine = CaptureEngine(cfg, target_path, gpus, self.local / "engine", self.log, args)
         print(f"[stream] vLLM capture engine: {shlex.join(self.engine.command)} (log {self.log})", flush=True)
 
     @property
@@ -293,7 +300,7 @@ class VLLMStream:
         """One request to the engine: its report (the files of each prompt's states, the generated ids, vLLM's
         version) and the folder that holds the files."""
         self.sent += 1
-        out = self.work / "out" / str(self.sent)
+        out = self.local / "out" / str(self.sent)
         self.engine.send({"prompts": prompts, "out": str(out), "max_tokens": max_tokens,
                           "include_output_tokens": include_output_tokens})  # fmt: skip
         return self.engine.answer(), out
@@ -313,6 +320,13 @@ class VLLMStream:
 
     def close(self) -> None:
         self.engine.close()
+        shutil.rmtree(self.local, ignore_errors=True)
+
+
+def node_local(prefix: str) -> Path:
+    """A new folder on this node's own storage (the temporary folder, `TMPDIR`, which a Slurm site points at the
+    job's node-local disk), removed by its user when done."""
+    return Path(tempfile.mkdtemp(prefix=prefix))
 
 
 def teacher_head(cfg, target_path, compute) -> TeacherHead:
@@ -337,7 +351,10 @@ class VLLMEval:
         if stream is None:
             head = teacher_head(cfg, target_path, compute)  # before the engine starts
             gpus = sum(d.type == "cuda" for d in compute.devices)
-            engine_args = cli.eval_engine_args(cfg, target_path, layers, Path(work) / "engine", gpus)
+
+            def engine_args(out: Path) -> list[str]:
+                return cli.eval_engine_args(cfg, target_path, layers, out, gpus)
+
             stream = VLLMStream(cfg, target_path, layers, compute, work, engine_args=engine_args)
             stream.head = head
         self.stream, self.head, self.served_layers = stream, stream.head, list(layers)

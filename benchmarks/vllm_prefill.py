@@ -1,0 +1,57 @@
+"""vLLM's own prefill rate, for benchmarks/bench_stream.py: runs in vLLM's environment.
+
+    python benchmarks/vllm_prefill.py REQUEST.json ENGINE_ARGS...
+
+ENGINE_ARGS are a capture engine's (orchestrator.engines.vllm.cli.capture_engine_args) without the extractor: its
+`--speculative-config` and `--kv-transfer-config` are dropped, so the engine is vLLM's plain one on the same target,
+dtype and CPU flags. REQUEST.json: {"prompts": [[token ids], ...], "batch": n}. Generates one token for each
+prompt, `batch` prompts a call as the capture service sends them, once to warm up and once timed; prints one JSON
+line: the prompt tokens, the seconds and tokens/s of the timed pass.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "orchestrator" / "engines" / "vllm" / "side"))
+
+from capture import open_engine  # noqa: E402  (side/capture.py: vLLM's engine from a `vllm serve` command line)
+
+EXTRACTOR = ("--speculative-config", "--kv-transfer-config")
+
+
+def plain(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in EXTRACTOR:
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def main() -> None:
+    from vllm import SamplingParams
+
+    request = json.loads(Path(sys.argv[1]).read_text())
+    llm = open_engine(plain(sys.argv[2:]))
+    prompts, batch = request["prompts"], request["batch"]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    seconds = 0.0
+    for _ in range(2):  # the first pass warms the engine up; the second is timed
+        began = time.perf_counter()
+        for first in range(0, len(prompts), batch):
+            chunk = [{"prompt_token_ids": p} for p in prompts[first : first + batch]]
+            llm.generate(chunk, params, use_tqdm=False)
+        seconds = time.perf_counter() - began
+    tokens = sum(len(p) for p in prompts)
+    print(json.dumps({"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
