@@ -435,7 +435,11 @@ def test_a_shared_service_keeps_each_file_until_every_consumer_read_it_and_its_d
             ours, theirs = ours.result(timeout=120), theirs.result(timeout=120)
         for x, y in zip(ours[len(steps[0]) :], theirs):
             assert torch.equal(x.aux, y.aux) and torch.equal(x.input_ids, y.input_ids)
-        status = stream.read_status(spool)
+        written = time.monotonic() + 2 * stream.HEARTBEAT_S + 1  # the position is written with the heartbeat
+        while (status := stream.read_status(spool))["position"] < 2 * cfg.train.batch_size:
+            if time.monotonic() > written:
+                break
+            time.sleep(0.1)
         # one file at a time: the next is written once the last was read by every consumer that needs it (what a
         # sequence holds in memory is no less than its file: ids as int64, the mask as bool)
         largest = max(

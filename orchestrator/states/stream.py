@@ -143,6 +143,11 @@ class _Status:
             self.values |= values
         self.write()
 
+    def set(self, **values) -> None:
+        """Counters the next heartbeat writes (the position, once a sequence: not a file write each)."""
+        with self.lock:
+            self.values |= values
+
     def add(self, **values) -> None:
         with self.lock:
             for k, v in values.items():
@@ -267,7 +272,7 @@ def _capture_steps(
             if not _put(spool, spec, parent, status, store, stores.key(position, index), tensors, declared):
                 status.update(state="stopped")
                 return 3
-            status.update(position=position + 1)
+            status.set(position=position + 1)
     status.update(state="done")
     print(f"[stream] done: {status.values['sequences']} sequences, {status.values['tokens']} tokens")
     return 0
@@ -299,7 +304,7 @@ def _captured(spec: StreamSpec, status: _Status, tokens, capture, replay, start:
                     kept[index] = pack([seq])
                     replay.put(index, kept[index])
             status.add(replayed_sequences=len(chunk) - len(todo))
-            status.update(replay_bytes_used=replay.used)
+            status.set(replay_bytes_used=replay.used)
             for offset, index in enumerate(chunk):
                 yield step * batch + first + offset, index, kept[index]
     passes.end(status)
@@ -458,7 +463,7 @@ def _put(spool: Path, spec: StreamSpec, parent: int, status: _Status, store, nam
         if used == 0 or (used + size <= spec.buffer_bytes and held < spec.buffer_sequences):
             if store.put(name, tensors):
                 status.add(blocked_s=time.time() - began)
-                status.update(peak_spool_bytes=max(status.values["peak_spool_bytes"], used + size))
+                status.set(peak_spool_bytes=max(status.values["peak_spool_bytes"], used + size))
                 return True
             if used == 0:
                 raise stores.StoreError(

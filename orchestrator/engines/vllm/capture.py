@@ -160,6 +160,12 @@ class CaptureEngine:
         with atomic_path(self.queue / request["name"]) as tmp:
             tmp.write_text(json.dumps({k: v for k, v in request.items() if k != "name"}))
 
+    def wait_up(self) -> None:
+        """Returns once the engine is up (it has written `queue/ready`), through as many restarts as
+        extract.engine_restarts allows: a capture service says it is capturing only then."""
+        while (failure := self._wait(self.queue / "ready")) is not None:
+            self._restart(failure)
+
     def send(self, request: dict) -> None:
         """Queues `request` (side/capture.py's REQUEST) behind those sent before."""
         self.sent += 1
@@ -285,6 +291,7 @@ class VLLMStream:
         self.log = self.work / "vllm.log"
         self.engine = CaptureEngine(cfg, target_path, gpus, self.local / "engine", self.log, args)
         print(f"[stream] vLLM capture engine: {shlex.join(self.engine.command)} (log {self.log})", flush=True)
+        self.engine.wait_up()
 
     @property
     def layers(self) -> int:
