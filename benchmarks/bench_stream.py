@@ -14,7 +14,9 @@ sequences), for each engine (HF transformers; vLLM where its environment is buil
   and does nothing with them: tokens/s from the moment the service's engine is up (its status says "capturing") to
   the last state read.
 
-The ratio stream / prefill says what the stream's hand-over costs on top of the engine's own work (goal: >= 0.9).
+The ratio stream / prefill says what capturing and handing the states over cost on top of the engine's own work
+(goal: >= 0.9). For vLLM a third row, its extractor capturing alone (the service's engine arguments, each request's
+files awaited and deleted, `benchmarks/vllm_prefill.py` with `capture`), parts vLLM's own cost from the service's.
 Both run on the same 2 cores, one at a time (the service and its reader are two processes, as in training). Prints
 a table and one JSON line last. Run it alone: a second CPU-bound process on 2 cores slows both.
 """
@@ -94,9 +96,10 @@ def hf_prefill(cfg, plan, prompts: list[list[int]], batch: int) -> dict:
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
-def vllm_prefill(cfg, plan, prompts: list[list[int]], batch: int, work: Path) -> dict:
+def vllm_prefill(cfg, plan, prompts: list[list[int]], batch: int, work: Path, capture: bool = False) -> dict:
+    """vLLM's plain prefill, or (`capture`) its extractor's capture alone: `benchmarks/vllm_prefill.py`."""
     work.mkdir(parents=True, exist_ok=True)
-    (work / "request.json").write_text(json.dumps({"prompts": prompts, "batch": batch}))
+    (work / "request.json").write_text(json.dumps({"prompts": prompts, "batch": batch, "capture": capture}))
     args = cli.extract_engine_args(cfg, plan.target_dir, work / "engine", 0)
     command = [cfg.extract.python, str(ROOT / "benchmarks" / "vllm_prefill.py"), str(work / "request.json"), *args]
     done = subprocess.run(command, capture_output=True, text=True, env=cli.side_env())
@@ -153,6 +156,11 @@ def main() -> None:
             prefill = vllm_prefill(cfg, plan, prompts, request, outputs / "vllm_prefill")
         result["engines"][engine] = {"prefill": prefill, "request_sequences": request, "stream": {}}
         rows.append((engine, "prefill (engine alone)", prefill["tokens_per_s"], None))
+        if engine == "vllm":  # what vLLM's extractor costs by itself: the capture without the service's hand-over
+            alone = vllm_prefill(cfg, plan, prompts, request, outputs / "vllm_capture", capture=True)
+            alone["ratio"] = alone["tokens_per_s"] / prefill["tokens_per_s"]
+            result["engines"][engine]["capture_alone"] = alone
+            rows.append((engine, "capture alone (extractor)", alone["tokens_per_s"], alone["ratio"]))
         for transport in args.transports.split(","):
             cfg_t = config(outputs, engine, transport, vllm_python)
             got = streamed(cfg_t, plan, args.steps, size, outputs / "spool" / f"{engine}-{transport}")

@@ -2,11 +2,14 @@
 
     python benchmarks/vllm_prefill.py REQUEST.json ENGINE_ARGS...
 
-ENGINE_ARGS are a capture engine's (orchestrator.engines.vllm.cli.capture_engine_args) without the extractor: its
-`--speculative-config` and `--kv-transfer-config` are dropped, so the engine is vLLM's plain one on the same target,
-dtype and CPU flags. REQUEST.json: {"prompts": [[token ids], ...], "batch": n}. Generates one token for each
-prompt, `batch` prompts a call as the capture service sends them, once to warm up and once timed; prints one JSON
-line: the prompt tokens, the seconds and tokens/s of the timed pass.
+ENGINE_ARGS are a capture engine's (orchestrator.engines.vllm.cli.capture_engine_args). REQUEST.json:
+{"prompts": [[token ids], ...], "batch": n, "capture": false}. Without `capture`, the extractor's
+`--speculative-config` and `--kv-transfer-config` are dropped, so the engine is vLLM's plain one on the same
+target, dtype and CPU flags; with it, the engine is the capture service's, and each call also waits until every
+state file is whole (side/capture.py `_wait_written`) and deletes the files: the capture alone, without the
+service's hand-over. Generates one token for each prompt, `batch` prompts a call as the capture service sends
+them, once to warm up and once timed; prints one JSON line: the prompt tokens, the seconds and tokens/s of the
+timed pass.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "orchestrator" / "engines" / "vllm" / "side"))
 
-from capture import open_engine  # noqa: E402  (side/capture.py: vLLM's engine from a `vllm serve` command line)
+from capture import _wait_written, open_engine  # noqa: E402  (side/capture.py: vLLM's engine, its capture wait)
 
 EXTRACTOR = ("--speculative-config", "--kv-transfer-config")
 
@@ -39,15 +42,23 @@ def main() -> None:
     from vllm import SamplingParams
 
     request = json.loads(Path(sys.argv[1]).read_text())
-    llm = open_engine(plain(sys.argv[2:]))
+    captures = bool(request.get("capture"))
+    llm = open_engine(sys.argv[2:] if captures else plain(sys.argv[2:]))
     prompts, batch = request["prompts"], request["batch"]
-    params = SamplingParams(max_tokens=1, temperature=0.0)
+    extra = {"kv_transfer_params": {"include_output_tokens": False}} if captures else None
+    params = SamplingParams(max_tokens=1, temperature=0.0, extra_args=extra)
     seconds = 0.0
     for _ in range(2):  # the first pass warms the engine up; the second is timed
         began = time.perf_counter()
         for first in range(0, len(prompts), batch):
             chunk = [{"prompt_token_ids": p} for p in prompts[first : first + batch]]
-            llm.generate(chunk, params, use_tqdm=False)
+            outputs = llm.generate(chunk, params, use_tqdm=False)
+            if captures:
+                paths = [o.kv_transfer_params["hidden_states_path"] for o in outputs]
+                _wait_written(llm, paths, 600.0)
+                for path in paths:
+                    Path(path).unlink()
+                    Path(path + ".lock").unlink(missing_ok=True)
         seconds = time.perf_counter() - began
     tokens = sum(len(p) for p in prompts)
     print(json.dumps({"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}), flush=True)

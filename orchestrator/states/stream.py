@@ -280,34 +280,61 @@ def _capture_steps(
 
 def _captured(spec: StreamSpec, status: _Status, tokens, capture, replay, start: int, total: int):
     """(position, index, tensors) of each sequence of steps `start`..`total`, in the trainers' order:
-    `spec.request_sequences` sequences a request to the engine, those the replay holds read from it instead. The
-    log counts each epoch's captured and replayed sequences (`_Passes`)."""
+    `spec.request_sequences` sequences a request to the engine (`each_states`, which may send the next request
+    before the last one's states are read), those the replay holds read from it instead. The log counts each
+    epoch's captured and replayed sequences (`_Passes`)."""
+    from collections import deque
+
     from orchestrator.data import Rendered
 
     cfg = spec.cfg
     batch = cfg.train.batch_size
-    passes = _Passes(math.ceil(len(tokens) / batch))
-    for step in range(start, total):
+    passes, asked = _Passes(math.ceil(len(tokens) / batch)), deque()
+
+    def requests():
+        for step in range(start, total):
+            order = step_indices(len(tokens), batch, cfg.train.seed, step)
+            for first in range(0, len(order), spec.request_sequences):
+                chunk = order[first : first + spec.request_sequences]
+                kept = {i: replay.get(i) for i in chunk}
+                todo = [i for i in chunk if kept[i] is None]
+                asked.append((step, first, chunk, kept, todo))
+                yield [Rendered(ids.tolist(), mask.int().tolist()) for ids, mask in map(tokens.tokens, todo)]
+
+    waited, answers = time.time(), zip_answers(capture, requests())
+    for rendered, captured in _closing(answers):
+        step, first, chunk, kept, todo = asked.popleft()
         passes.at(step, status)
-        order = step_indices(len(tokens), batch, cfg.train.seed, step)
-        for first in range(0, len(order), spec.request_sequences):
-            chunk = order[first : first + spec.request_sequences]
-            kept = {i: replay.get(i) for i in chunk}
-            todo = [i for i in chunk if kept[i] is None]
-            rendered = [Rendered(ids.tolist(), mask.int().tolist()) for ids, mask in map(tokens.tokens, todo)]
-            if rendered:
-                began = time.time()
-                captured = capture.states(rendered)
-                count = sum(len(r.input_ids) for r in rendered)
-                status.add(capture_s=time.time() - began, sequences=len(todo), tokens=count)
-                for index, seq in zip(todo, captured):
-                    kept[index] = pack([seq])
-                    replay.put(index, kept[index])
-            status.add(replayed_sequences=len(chunk) - len(todo))
-            status.set(replay_bytes_used=replay.used)
-            for offset, index in enumerate(chunk):
-                yield step * batch + first + offset, index, kept[index]
+        count = sum(len(r.input_ids) for r in rendered)
+        status.add(capture_s=time.time() - waited, sequences=len(todo), tokens=count)
+        for index, seq in zip(todo, captured, strict=True):
+            kept[index] = pack([seq])
+            replay.put(index, kept[index])
+        status.add(replayed_sequences=len(chunk) - len(todo))
+        status.set(replay_bytes_used=replay.used)
+        for offset, index in enumerate(chunk):
+            yield step * batch + first + offset, index, kept[index]
+        waited = time.time()
     passes.end(status)
+
+
+def _closing(generator):
+    """`generator`'s items, and the generator closed when this is (a request sent ahead is then answered)."""
+    try:
+        yield from generator
+    finally:
+        generator.close()
+
+
+def zip_answers(capture, requests):
+    """(rendered, states) for each request of `requests` (lists of rendered sequences, empty for none), in order:
+    through the capture's `each_states` where it has one (vLLM's sends the next request before it reads the
+    last one's files, so its engine is not idle meanwhile), else one `states` call a request."""
+    if hasattr(capture, "each_states"):
+        yield from capture.each_states(requests)
+        return
+    for rendered in requests:
+        yield rendered, capture.states(rendered) if rendered else []
 
 
 class _Ahead:

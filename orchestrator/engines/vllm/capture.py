@@ -303,13 +303,50 @@ class VLLMStream:
         shutil.rmtree(out)
         return sequences
 
-    def ask(self, prompts: list[list[int]], include_output_tokens: bool = False, max_tokens: int = 1):
-        """One request to the engine: its report (the files of each prompt's states, the generated ids, vLLM's
-        version) and the folder that holds the files."""
+    def each_states(self, requests):
+        """(rendered, states) for each of `requests` (lists of rendered sequences), in order, with the next request
+        sent before the last one's files are read and assembled: the engine captures while the service reads."""
+        sent: list[tuple[list, Path | None]] = []  # the requests sent, not answered yet: (rendered, out)
+        requests = iter(requests)
+
+        def send_next() -> bool:
+            rendered = next(requests, None)
+            if rendered is None:
+                return False
+            sent.append((rendered, self._send([r.input_ids for r in rendered]) if rendered else None))
+            return True
+
+        try:
+            send_next()
+            while sent:
+                send_next()  # the one after, while this one is read
+                rendered, out = sent.pop(0)
+                if out is None:
+                    yield rendered, []
+                    continue
+                report = self.engine.answer()
+                what = "vLLM's capture service"
+                yield rendered, read_states(self.assemble, rendered, report["files"], self.layers, what)
+                shutil.rmtree(out)
+        finally:  # closed early (a service starting over, or stopping): the request sent ahead is answered first,
+            for _, out in sent:  # so that the engine's next answer is the next request's
+                if out is not None:
+                    with contextlib.suppress(Exception):  # an engine that failed fails its next request too
+                        self.engine.answer()
+                    shutil.rmtree(out, ignore_errors=True)
+
+    def _send(self, prompts: list[list[int]], include_output_tokens: bool = False, max_tokens: int = 1) -> Path:
+        """Queues one request; the folder its files go to."""
         self.sent += 1
         out = self.local / "out" / str(self.sent)
         self.engine.send({"prompts": prompts, "out": str(out), "max_tokens": max_tokens,
                           "include_output_tokens": include_output_tokens})  # fmt: skip
+        return out
+
+    def ask(self, prompts: list[list[int]], include_output_tokens: bool = False, max_tokens: int = 1):
+        """One request to the engine: its report (the files of each prompt's states, the generated ids, vLLM's
+        version) and the folder that holds the files."""
+        out = self._send(prompts, include_output_tokens, max_tokens)
         return self.engine.answer(), out
 
     def evaluator(self, layers) -> VLLMEval:
