@@ -109,4 +109,27 @@ def stream_cost(cfg: RootConfig) -> dict[str, Any] | None:
         out["trainers_bytes_per_s"] = st.train_samples_per_s * trainers * sample_bytes
     if st.capture_samples_per_s is not None:
         out["capture_bytes_per_s"] = st.capture_samples_per_s * sample_bytes
+    out["links"] = stream_links(cfg, out)
     return out
+
+
+def stream_links(cfg: RootConfig, cost: dict[str, Any]) -> list[tuple[str, float]]:
+    """Every link a streamed state crosses, with its bytes/s at the rate the stream runs (the slower of the priced
+    sides): vLLM's files on the service node's own disk (written, then read), then the transport, the spool's file
+    system (written by the service's node, read by the trainers') or the service node's network (Mooncake). Empty
+    where neither side is priced."""
+    rates = [cost[k] for k in ("trainers_bytes_per_s", "capture_bytes_per_s") if k in cost]
+    if not rates:
+        return []
+    flow, st = min(rates), cfg.train.stream
+    nodes = cfg.train.resources.nodes
+    links = []
+    if cfg.extract.engine == "vllm":
+        links.append(("vLLM's files on the service node's own disk (written and read)", 2 * flow))
+    if st.transport == "file":
+        links.append(("the spool's file system: written by the service's node", flow))
+        links.append((f"the spool's file system: read by each of {nodes} trainer node(s)", flow / nodes))
+    else:
+        links.append((f"the service node's network to the trainers' (Mooncake, {st.mooncake.protocol})", flow))
+        links.append((f"into each of {nodes} trainer node(s)", flow / nodes))
+    return links

@@ -407,6 +407,13 @@ def print_stream_cost(st: dict[str, Any], resources: dict[str, Any]) -> None:
         rates.append(f"the capture service produces up to {st['capture_bytes_per_s'] / 1e9:,.2f} GB/s")
     if rates:
         print("  link (train.stream.*_samples_per_s x data.max_seq_len tokens a sample): " + "; ".join(rates))
+        for name, rate in st["links"]:
+            print(f"    {name}: {rate / 1e9:,.2f} GB/s")
+        if st["service_job"] and any(name.startswith("the spool's") for name, _ in st["links"]):
+            print(
+                "    the states cross the shared file system twice (train.stream.transport=file); "
+                "train.stream.transport=mooncake sends them over the network once (docs/streaming.md#the-transport)"
+            )
     else:
         print("  link: not priced (set train.stream.train_samples_per_s and train.stream.capture_samples_per_s)")
     if st["service_job"]:

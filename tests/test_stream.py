@@ -302,6 +302,10 @@ def test_the_kimi_dry_run_prices_the_stream(tmp_path):
     trainers, capture = 0.37 * 8 * 8192 * 57_344, 3.0 * 8192 * 57_344
     assert f"the trainers consume up to {trainers / 1e9:,.2f} GB/s" in proc.stdout
     assert f"the capture service produces up to {capture / 1e9:,.2f} GB/s" in proc.stdout
+    flow = min(trainers, capture) / 1e9  # every link the states cross, at the slower side's rate
+    assert f"the spool's file system: written by the service's node: {flow:,.2f} GB/s" in proc.stdout
+    assert f"the spool's file system: read by each of 1 trainer node(s): {flow:,.2f} GB/s" in proc.stdout
+    assert "the states cross the shared file system twice (train.stream.transport=file)" in proc.stdout
     assert (
         "capture service: a Slurm job of its own after extract, with extract.resources (1 node(s) x 8 GPU(s)); the "
         "train job (1 node(s) x 8 GPU(s)) starts once it has started (--dependency=after:)" in proc.stdout
@@ -620,3 +624,29 @@ def test_a_trainer_that_does_not_see_the_services_spool_fails_in_seconds_naming_
     ]
     assert "no sign of life" not in out and took < 60, (took, out[-3000:])
     assert (spool / stream.SPEC).exists(), "outside the trainer's namespace the spool is the service's, untouched"
+
+
+def test_the_dry_run_prices_every_link_a_state_crosses(tiny_config, vllm_python):
+    """`estimates.stream_links`: vLLM's files on the service node's own disk twice (written, read), then the
+    transport: with Mooncake the service node's network once and no file system; with files the spool's file system
+    written once and read once, split among the trainer nodes (one here: cluster=local). At the slower side's rate."""
+    from orchestrator.estimates import stream_cost
+
+    priced = ("train.states=stream", "train.stream.train_samples_per_s=1.0", "train.stream.capture_samples_per_s=1.5",
+              "extract.engine=vllm", f"extract.python={vllm_python}",
+              "data.regenerate.enabled=false")  # fmt: skip
+    cost = stream_cost(tiny_config(*priced, "train.stream.transport=mooncake"))
+    sample = cost["bytes_per_token"] * 160  # data.max_seq_len of the FAST config
+    flow = min(cost["trainers_bytes_per_s"], cost["capture_bytes_per_s"])
+    assert flow == cost["trainers_bytes_per_s"] == 1.0 * 1 * sample
+    assert cost["links"] == [
+        ("vLLM's files on the service node's own disk (written and read)", 2 * flow),
+        ("the service node's network to the trainers' (Mooncake, tcp)", flow),
+        ("into each of 1 trainer node(s)", flow),
+    ]
+    files = stream_cost(tiny_config(*priced, "train.stream.transport=file", "extract.engine=hf"))["links"]
+    assert files == [
+        ("the spool's file system: written by the service's node", flow),
+        ("the spool's file system: read by each of 1 trainer node(s)", flow),
+    ]
+    assert stream_cost(tiny_config("train.states=stream"))["links"] == [], "not priced: no link"
