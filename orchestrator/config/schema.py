@@ -16,6 +16,7 @@ OmegaConf.register_new_resolver("project_root", lambda: str(Path(__file__).resol
 STAGES = ("extract", "train", "eval", "serve")
 CLUSTERS = ("local", "debug", "slurm")
 DTYPES = ("float32", "bfloat16", "float16")
+TRANSPORTS = ("file", "mooncake")  # train.stream.transport: orchestrator/states/store.py
 DATA_SETS = ("stdlib_chat", "jsonl", "hf")
 DATA_FORMATS = ("auto", "openai", "sharegpt", "ultrachat")
 
@@ -433,6 +434,7 @@ def captured_layers(cfg: RootConfig) -> list[int]:
 
 
 __all__ = [
+    "TRANSPORTS",
     "STAGES",
     "CLUSTERS",
     "DTYPES",
@@ -450,6 +452,7 @@ __all__ = [
     "DraftConfig",
     "ExtractConfig",
     "StreamConfig",
+    "MooncakeConfig",
     "TrainConfig",
     "EvalConfig",
     "ServeConfig",

@@ -21,6 +21,7 @@ from orchestrator.config.schema import (
     REGENERATE_APIS,
     REGENERATE_ENGINES,
     STAGES,
+    TRANSPORTS,
     ConfigError,
     DataConfig,
     RootConfig,
@@ -29,7 +30,6 @@ from orchestrator.config.schema import (
     one_pass,
     tasks_per_node,
 )
-from orchestrator.states.store import TRANSPORTS
 
 
 def load(cfg: DictConfig | dict) -> RootConfig:

@@ -41,7 +41,6 @@ from orchestrator.artifacts import atomic_path
 PUBLISHED = "store.json"  # the service's store: its transport, and where a consumer connects
 MASTER_LOG = "mooncake_master.log"
 HELD = "held"  # mooncake: the keys held, one empty-ish file each holding the object's size
-TRANSPORTS = ("file", "mooncake")
 MOONCAKE_NO_ROOM = -200  # mooncake's NO_AVAILABLE_HANDLE: a hard-pinned segment is full
 SUFFIX = ".safetensors"
 
