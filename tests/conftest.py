@@ -297,6 +297,24 @@ def copy_cache(source: Path, dest: Path, parts=("targets", "extract", "regenerat
     return dest
 
 
+def mooncake_missing() -> str | None:
+    """Why Mooncake Store cannot run here (None: it can): its client and `mooncake_master` come with the `mooncake`
+    extra, and its transfer engine needs Debian's libibverbs1 even for TCP (scripts/test.sh installs both)."""
+    try:
+        import mooncake.store  # noqa: F401
+    except (ImportError, OSError) as err:
+        return (
+            f"Mooncake Store does not import ({err}): pip install -c requirements.lock -e '.[mooncake]' and libibverbs1"
+        )
+    from orchestrator.states.store import StoreError, mooncake_master_binary
+
+    try:
+        mooncake_master_binary()
+    except StoreError as err:
+        return str(err)
+    return None
+
+
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
     """vLLM's environment for the `vllm` tests: `VLLM_PYTHON`, else the checkout's outputs/vllm-env

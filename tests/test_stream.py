@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, copy_cache
+from conftest import compose_config, copy_cache, mooncake_missing
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -35,7 +35,7 @@ def both(tiny_config, fast_cache, tmp_path_factory):
     spool's files, and streamed through Mooncake Store (its master started by the service, on loopback TCP)."""
     fast_cache("extract", "train")  # the offline run's keys: neither the cluster nor train.stream key them
     runs = {}
-    for mode in ("offline", "stream", "mooncake"):
+    for mode in ("offline", "stream", "mooncake")[: 2 if mooncake_missing() else 3]:
         states = "offline" if mode == "offline" else "stream"
         transport = "mooncake" if mode == "mooncake" else "file"
         chosen = ("stages=[extract,train]", "cluster=debug", f"train.states={states}",
@@ -54,6 +54,8 @@ def _draft(plan) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("transport", ["stream", "mooncake"])
 def test_streamed_draft_equals_the_offline_draft_bit_for_bit(both, transport):
+    if transport not in both:
+        pytest.skip(mooncake_missing())
     (_, offline, off_summary), (_, streamed, on_summary) = both["offline"], both[transport]
     a, b = _draft(offline), _draft(streamed)
     assert a.keys() == b.keys()
@@ -65,6 +67,8 @@ def test_streamed_draft_equals_the_offline_draft_bit_for_bit(both, transport):
 def test_mooncake_carries_the_states_and_the_spool_the_control_plane_alone(both):
     """Through Mooncake the service's job started its master, the states went through the store (hard-pinned, within
     the buffer) and the spool held no state: only the control plane and the keys held, now none."""
+    if "mooncake" not in both:
+        pytest.skip(mooncake_missing())
     cfg, plan, summary = both["mooncake"]
     report = summary["stages"]["train"]["stream"]
     assert report["transport"] == "mooncake" and report["store"]["protocol"] == "tcp", report
@@ -206,21 +210,26 @@ def test_vllm_as_the_capture_service_trains_the_draft_and_answers_its_eval(vllm_
               "extract.dtype=float32", "train.stream.buffer_bytes=1000000")  # fmt: skip
     summaries, streamed = {}, ["extract.engine=vllm", f"extract.python={vllm_python}", "train.states=stream",
                                "eval.engine=vllm", "extract.extra_layers=[2]"]  # fmt: skip
-    for mode, chosen in (
+    modes = [
         ("offline", ["extract.engine=hf", "train.states=offline"]),
         ("stream", streamed),
         ("mooncake", [*streamed, "train.stream.transport=mooncake"]),
-    ):
+    ]
+    for mode, chosen in modes[: 2 if mooncake_missing() else 3]:
         cfg = tiny_config(*common, *chosen)
         if mode == "mooncake":  # the transport keys nothing: trained and evaluated again, in outputs of their own
             cfg = compose_config(copy_cache(cfg.outputs, tmp_path / "mooncake_outputs"), *common, *chosen)
         summaries[mode] = run_pipeline(cfg, tmp_path / mode)
-    offline, online, mooncake = (summaries[m]["stages"] for m in ("offline", "stream", "mooncake"))
+    offline, online = (summaries[m]["stages"] for m in ("offline", "stream"))
     print(f"eval acc_0: offline {offline['eval']['acc_0']:.4f}, streamed by vLLM {online['eval']['acc_0']:.4f} "
-          f"through files, {mooncake['eval']['acc_0']:.4f} through Mooncake")  # fmt: skip
+          "through files")  # fmt: skip
     assert abs(offline["eval"]["acc_0"] - online["eval"]["acc_0"]) <= 0.01
-    assert abs(mooncake["eval"]["acc_0"] - online["eval"]["acc_0"]) <= 0.01
-    assert mooncake["train"]["stream"]["transport"] == "mooncake" and online["train"]["stream"]["transport"] == "file"
+    assert online["train"]["stream"]["transport"] == "file"
+    if "mooncake" in summaries:  # the same through Mooncake Store (loopback TCP), trained and evaluated again
+        mooncake = summaries["mooncake"]["stages"]
+        print(f"eval acc_0 streamed by vLLM through Mooncake: {mooncake['eval']['acc_0']:.4f}")
+        assert abs(mooncake["eval"]["acc_0"] - online["eval"]["acc_0"]) <= 0.01
+        assert mooncake["train"]["stream"]["transport"] == "mooncake"
     report = online["train"]["stream"]
     assert 0 < report["peak_spool_bytes"] <= 1_000_000
     assert report["captured_sequences"] == cfg.train.max_steps * cfg.train.batch_size
