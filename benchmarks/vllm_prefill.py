@@ -14,14 +14,17 @@ timed pass.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "orchestrator" / "engines" / "vllm" / "side"))
-
-from capture import _wait_written, open_engine  # noqa: E402  (side/capture.py: vLLM's engine, its capture wait)
+# side/capture.py (standalone in vLLM's environment): vLLM's engine from a `vllm serve` command line, its capture wait
+SIDE = Path(__file__).resolve().parents[1] / "orchestrator" / "engines" / "vllm" / "side" / "capture.py"
+_spec = importlib.util.spec_from_file_location("side_capture", SIDE)
+side = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(side)
 
 EXTRACTOR = ("--speculative-config", "--kv-transfer-config")
 
@@ -43,7 +46,7 @@ def main() -> None:
 
     request = json.loads(Path(sys.argv[1]).read_text())
     captures = bool(request.get("capture"))
-    llm = open_engine(sys.argv[2:] if captures else plain(sys.argv[2:]))
+    llm = side.open_engine(sys.argv[2:] if captures else plain(sys.argv[2:]))
     prompts, batch = request["prompts"], request["batch"]
     extra = {"kv_transfer_params": {"include_output_tokens": False}} if captures else None
     params = SamplingParams(max_tokens=1, temperature=0.0, extra_args=extra)
@@ -55,7 +58,7 @@ def main() -> None:
             outputs = llm.generate(chunk, params, use_tqdm=False)
             if captures:
                 paths = [o.kv_transfer_params["hidden_states_path"] for o in outputs]
-                _wait_written(llm, paths, 600.0)
+                side._wait_written(llm, paths, 600.0)
                 for path in paths:
                     Path(path).unlink()
                     Path(path + ".lock").unlink(missing_ok=True)

@@ -35,8 +35,12 @@ def declared(requirements: list[str]) -> set[str]:
     return {canonical(re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", r.strip()).group()) for r in requirements}
 
 
-RUNTIME = declared(PYPROJECT["project"]["dependencies"])
-DEV = RUNTIME | declared(PYPROJECT["project"]["optional-dependencies"]["dev"])
+EXTRAS = PYPROJECT["project"]["optional-dependencies"]
+# the runtime extras (kimi, mooncake) are features a user installs for a run that needs them: the code may import them
+RUNTIME = declared(PYPROJECT["project"]["dependencies"]) | {
+    name for extra, pins in EXTRAS.items() if extra != "dev" for name in declared(pins)
+}
+DEV = RUNTIME | declared(EXTRAS["dev"])
 
 
 def imported_modules(path: Path) -> dict[str, int]:
