@@ -18,7 +18,9 @@ The ratio stream / prefill says what capturing and handing the states over cost 
 (goal: >= 0.9). For vLLM a third row, its extractor capturing alone (the service's engine arguments, each request's
 files awaited and deleted, `benchmarks/vllm_prefill.py` with `capture`), parts vLLM's own cost from the service's.
 Both run on the same 2 cores, one at a time (the service and its reader are two processes, as in training). Prints
-a table and one JSON line last. Run it alone: a second CPU-bound process on 2 cores slows both.
+a table and one JSON line last; `--save` keeps that line in `benchmarks/results/bench_stream.json`, whose ratios
+the dry run multiplies `train.stream.capture_samples_per_s` by for a service on the same kind of device
+(`train.stream.capture_ratio` overrides). Run it alone: a second CPU-bound process on 2 cores slows both.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from orchestrator import conf_dir  # noqa: E402
 from orchestrator.config import load  # noqa: E402
 from orchestrator.engines.vllm import cli  # noqa: E402
+from orchestrator.estimates import MEASURED_STREAM  # noqa: E402
 from orchestrator.pipeline import make_plan, run_pipeline  # noqa: E402
 from orchestrator.states import stream  # noqa: E402
 from orchestrator.states.shards import load_split  # noqa: E402
@@ -137,10 +140,17 @@ def main() -> None:
     parser.add_argument("--engines", default="hf,vllm")
     parser.add_argument("--transports", default="file,mooncake")
     parser.add_argument("--outputs", type=Path, default=None, help="an outputs folder to reuse (its tiny target)")
+    parser.add_argument(
+        "--save", action="store_true",
+        help=f"write the JSON line to {MEASURED_STREAM.relative_to(ROOT)}, whose ratios the dry run prices the stream "
+        "with (train.stream.capture_ratio)",
+    )  # fmt: skip
     args = parser.parse_args()
     vllm_python = os.environ.get("VLLM_PYTHON") or str(ROOT / "outputs" / "vllm-env" / "bin" / "python")
     outputs = args.outputs or Path(tempfile.mkdtemp(prefix="bench_stream_"))
-    rows, result = [], {"cpu": cpu_identity(), "steps": args.steps, "engines": {}}
+    # the device the engines ran on: the dry run applies these ratios to a service on the same kind of device only
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, result = [], {"cpu": cpu_identity(), "device": device, "steps": args.steps, "engines": {}}
     for engine in args.engines.split(","):
         if engine == "vllm" and not cli.available(vllm_python):
             print(f"[bench_stream] no vLLM environment at {vllm_python}: vLLM skipped", flush=True)
@@ -176,7 +186,12 @@ def main() -> None:
     result["meets_goal"] = all(
         s["ratio"] >= GOAL for e in result["engines"].values() for s in e["stream"].values()
     )  # fmt: skip
+    result["measured_at"] = time.strftime("%Y-%m-%d")
     print(json.dumps(result))
+    if args.save:
+        MEASURED_STREAM.parent.mkdir(parents=True, exist_ok=True)
+        MEASURED_STREAM.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"[bench_stream] saved: {MEASURED_STREAM.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from orchestrator.config import (
 from orchestrator.data import data_identity
 from orchestrator.estimates import extract_storage, storage_terms, stream_cost
 from orchestrator.states import stream as stream_mod
-from orchestrator.targets import target_dir, weights_fingerprint
+from orchestrator.targets import target_dir, tiny_weights_source, weights_fingerprint
 
 # The stages whose output is a pure function of their key: kept under outputs/cache/<stage>/<key> and reused by every
 # run and sweep point with that key. Serve measures timings, which are not.
@@ -87,6 +87,9 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
         target.pop("quantization")
     if cfg.target.path:  # a real checkpoint's weights as they are now; a tiny one's are its recipe's (above)
         target["weights"] = weights_fingerprint(Path(cfg.target.path))
+    elif cfg.target.tiny is not None:  # ... and where they come from: the kept build's, or this machine's
+        target["tiny"].pop("rebuild")
+        target |= tiny_weights_source(cfg.target, cfg.seed)
     extract = _subtree(cfg, "extract")
     extract["layers"] = captured_layers(cfg)  # what is captured decides the output, however it is split
     extract.pop("extra_layers")
@@ -404,7 +407,10 @@ def print_stream_cost(st: dict[str, Any], resources: dict[str, Any]) -> None:
     if "trainers_bytes_per_s" in st:
         rates.append(f"the trainers consume up to {st['trainers_bytes_per_s'] / 1e9:,.2f} GB/s")
     if "capture_bytes_per_s" in st:
-        rates.append(f"the capture service produces up to {st['capture_bytes_per_s'] / 1e9:,.2f} GB/s")
+        rates.append(
+            f"the capture service delivers up to {st['capture_bytes_per_s'] / 1e9:,.2f} GB/s (its engine's rate x "
+            f"{st['capture_ratio']:.2f}: {st['capture_ratio_source']})"
+        )
     if rates:
         print("  link (train.stream.*_samples_per_s x data.max_seq_len tokens a sample): " + "; ".join(rates))
         for name, rate in st["links"]:

@@ -21,8 +21,23 @@ from orchestrator.config import RootConfig, TargetConfig
 
 
 def tiny_target_dir(target: TargetConfig, outputs: Path, seed: int) -> Path:
+    """A tiny target's cache folder, keyed by its recipe and by where its weights come from: the repository's copy
+    of the build (its weights' hash) or a build on this machine (`target.tiny.rebuild`, or no copy kept)."""
     spec = {"arch": target.tiny.arch, "model": dict(target.tiny.model), "train": dict(target.tiny.train), "seed": seed}
+    spec |= tiny_weights_source(target, seed)
     return Path(outputs) / "cache" / "targets" / f"{target.name}-{stable_hash(spec, 12)}"
+
+
+def tiny_weights_source(target: TargetConfig, seed: int) -> dict[str, Any]:
+    """Where a tiny target's weights come from, for its folder's and the stages' cache keys: {"shipped": the kept
+    build's weights hash} (orchestrator/tiny/shipped), or {"rebuild": True}; {} for a recipe no copy is kept of,
+    built on this machine, as before copies were kept."""
+    from orchestrator.tiny.build import shipped_weights
+
+    if target.tiny.rebuild:
+        return {"rebuild": True}
+    sha = shipped_weights(target.tiny.arch, dict(target.tiny.model), dict(target.tiny.train), seed)
+    return {} if sha is None else {"shipped": sha}
 
 
 def target_dir(cfg: RootConfig) -> Path:
@@ -56,7 +71,7 @@ def weights_fingerprint(path: Path) -> dict[str, Any]:
 
 
 def ensure_target(cfg: RootConfig, progress: bool = True) -> Path:
-    """The target folder, building the tiny target first if it is not cached yet."""
+    """The target folder, the tiny target first copied from the repository's build or built, if not cached yet."""
     t = cfg.target
     if t.path:
         path = Path(t.path)
@@ -72,6 +87,7 @@ def ensure_target(cfg: RootConfig, progress: bool = True) -> Path:
         dict(t.tiny.train),
         cfg.seed,
         progress=progress,
+        rebuild=t.tiny.rebuild,
     )
 
 

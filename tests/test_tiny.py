@@ -245,3 +245,35 @@ def test_concurrent_builders_build_once_and_clean_stale_temp(fast_specs, tmp_pat
     assert len(calls) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shared", "shared.lock"]  # no temp dirs left
     assert json.loads((out / "build_report.json").read_text())["steps"] == FAST_TRAIN["steps"]
+
+
+def test_the_demos_target_is_the_repositorys_copy_and_a_rebuild_is_another_target(tiny_config, tmp_path, monkeypatch):
+    """The demo's tiny Llama is not built: its recipe's build is kept in orchestrator/tiny/shipped, whole (its
+    weights hash to what its report says), and copied into the cache as it is; `target.tiny.rebuild=true` is
+    another target folder and another key for every stage, so nothing computed on one is read for the other."""
+    import hashlib
+
+    from orchestrator.pipeline import stage_keys
+    from orchestrator.targets import ensure_target, target_dir
+
+    cfg = tiny_config(fast=False)
+    t = cfg.target.tiny
+    kept = build_mod.shipped_build(t.arch, dict(t.model), dict(t.train), cfg.seed)
+    assert kept is not None and kept.parent == build_mod.SHIPPED, "the demo's recipe has a kept build"
+    report = load_build_report(kept)
+    for name, digest in report["weights_sha256"]["files"].items():  # a pointer file or a cut copy fails here
+        assert hashlib.sha256((kept / name).read_bytes()).hexdigest() == digest, name
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the kept target was built again")
+
+    monkeypatch.setattr(build_mod, "_build_in_mode", no_build)
+    copied = ensure_target(tiny_config(f"outputs_dir={tmp_path}", fast=False), progress=False)
+    assert sorted(p.name for p in copied.iterdir()) == sorted(p.name for p in kept.iterdir())
+    assert all((copied / p.name).read_bytes() == p.read_bytes() for p in kept.iterdir())
+    rebuilt = tiny_config("target.tiny.rebuild=true", fast=False)
+    assert target_dir(rebuilt) != target_dir(cfg)
+    keys, other = stage_keys(cfg), stage_keys(rebuilt)
+    assert all(keys[stage] != other[stage] for stage in ("extract", "train", "eval")), (keys, other)
+    with pytest.raises(AssertionError, match="built again"):  # a rebuild trains: here, the patched builder says so
+        ensure_target(tiny_config(f"outputs_dir={tmp_path}", "target.tiny.rebuild=true", fast=False), progress=False)

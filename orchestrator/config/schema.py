@@ -52,6 +52,8 @@ class TinySpec:
     arch: str = MISSING
     model: dict[str, Any] = MISSING
     train: dict[str, Any] = MISSING
+    # build on this machine, not take the repository's copy of this recipe's build (orchestrator/tiny/shipped)
+    rebuild: bool = MISSING
 
 
 @dataclass
@@ -230,6 +232,9 @@ class StreamConfig:
     # capture service produces
     train_samples_per_s: Optional[float] = MISSING
     capture_samples_per_s: Optional[float] = MISSING
+    # the share of capture_samples_per_s (the engine's own batched rate) the stream delivers; null: the ratio
+    # benchmarks/bench_stream.py measured for extract.engine and train.stream.transport
+    capture_ratio: Optional[float] = MISSING
 
 
 @dataclass

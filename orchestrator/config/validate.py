@@ -123,16 +123,22 @@ IDLE_LIMIT = 0.5
 
 def check_stream_balance(cfg: RootConfig) -> None:
     """With both rates estimated (train.stream.train_samples_per_s per trainer GPU, capture_samples_per_s for the
-    service), the side that would idle most of the time, named with the keys that change it."""
+    service's engine, times the share of it the stream delivers, `estimates.stream_capture_ratio`), the side that
+    would idle most of the time, named with the keys that change it."""
+    from orchestrator.estimates import stream_capture_ratio
+
     t, st = cfg.train, cfg.train.stream
+    if st.capture_ratio is not None and not 0 < st.capture_ratio <= 1:
+        raise ConfigError(f"train.stream.capture_ratio={st.capture_ratio}: expected in (0, 1] or null (measured)")
     if st.train_samples_per_s is None or st.capture_samples_per_s is None:
         return
     gpus = t.resources.nodes * max(t.resources.gpus_per_node, 1)
-    consume, produce = st.train_samples_per_s * gpus, st.capture_samples_per_s
+    ratio, source = stream_capture_ratio(cfg)
+    consume, produce = st.train_samples_per_s * gpus, st.capture_samples_per_s * ratio
     rates = (
         f"the trainers consume {consume:g} samples/s (train.stream.train_samples_per_s={st.train_samples_per_s:g} x "
-        f"{gpus} GPU(s) of train.resources), the capture service produces {produce:g} "
-        f"(train.stream.capture_samples_per_s)"
+        f"{gpus} GPU(s) of train.resources), the capture service delivers {produce:.3g} "
+        f"(train.stream.capture_samples_per_s={st.capture_samples_per_s:g} x {ratio:.2f}, {source})"
     )
     if produce < consume * (1 - IDLE_LIMIT):
         raise ConfigError(

@@ -194,6 +194,27 @@ def _normalize_spec(arch: str, model: dict, train: dict, seed: int) -> dict[str,
     return json.loads(json.dumps(spec, sort_keys=True))
 
 
+# Tiny targets built once and kept in the repository (each folder as a build leaves it, its report naming the
+# processor it was built on): a build is the same on one machine only, so the demo and the tests take these copies,
+# and every machine starts from the same weights. `target.tiny.rebuild=true` builds on the machine at hand instead.
+SHIPPED = Path(__file__).resolve().parent / "shipped"
+
+
+def shipped_build(arch: str, model: dict, train: dict, seed: int) -> Path | None:
+    """The repository's copy of this recipe's build (`SHIPPED`), or None where none is kept."""
+    spec = _normalize_spec(arch, model, train, seed)
+    for report in sorted(SHIPPED.glob(f"*/{REPORT_NAME}")):
+        if json.loads(report.read_text()).get("spec") == spec:
+            return report.parent
+    return None
+
+
+def shipped_weights(arch: str, model: dict, train: dict, seed: int) -> str | None:
+    """The combined weights hash of the repository's copy of this recipe's build, or None where none is kept."""
+    found = shipped_build(arch, model, train, seed)
+    return None if found is None else json.loads((found / REPORT_NAME).read_text())["weights_sha256"]["combined"]
+
+
 def spec_hash(arch: str, model: dict, train: dict, seed: int) -> str:
     """Short content hash of a build spec, handy for naming cache directories."""
     spec = _normalize_spec(arch, model, train, seed)
@@ -564,8 +585,10 @@ def build_tiny_target(
     seed: int = 0,
     *,
     progress: bool = True,
+    rebuild: bool = False,
 ) -> Path:
-    """Build (or reuse) a trained tiny target in ``out_dir`` and return ``out_dir``.
+    """Build (or reuse) a trained tiny target in ``out_dir`` and return ``out_dir``: the repository's copy of this
+    recipe's build (`SHIPPED`) where one is kept, unless ``rebuild``, else a build on this machine.
 
     A build is complete iff ``out_dir/build_report.json`` exists; it is written inside a temp
     sibling directory which is renamed into place last, so a crashed build is never mistaken for
@@ -588,9 +611,14 @@ def build_tiny_target(
             shutil.rmtree(stale, ignore_errors=True)
         tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
+        shipped = None if rebuild else shipped_build(arch, model, train, seed)
         try:
-            report = _build_in_mode(tmp, spec, progress)
-            (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+            if shipped is not None:  # every file of the kept build, its report last
+                for f in sorted(shipped.iterdir(), key=lambda f: f.name == REPORT_NAME):
+                    shutil.copyfile(f, tmp / f.name)
+            else:
+                report = _build_in_mode(tmp, spec, progress)
+                (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
             if out_dir.exists():
                 out_dir.rmdir()  # empty (checked above); rename cannot replace a non-empty dir
             os.replace(tmp, out_dir)
