@@ -51,7 +51,7 @@ SERVE_DECIDES_NOTHING = (
     "accept_length_tolerance", "greedy_token_tolerance", "sglang_version", "vllm_version", "startup_estimate_min",
 )  # fmt: skip
 # serve.* that only the speculative server reads
-SERVE_SPECULATIVE_ONLY = ("layers", "num_steps", "eagle_topk", "num_draft_tokens")
+SERVE_SPECULATIVE_ONLY = ("layers", "num_steps", "eagle_topk", "num_draft_tokens", "accept_prompts")
 
 
 @dataclass

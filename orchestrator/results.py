@@ -276,6 +276,11 @@ class ServeResult(_Checked):
     phase_ms: dict[str, float] = field(default_factory=dict)  # `<mode>_<phase>_ms`: the serve cycle's profile
     eval_expected_accept_length: float | None = None
     accept_length_rel_diff: float | None = None
+    # the speculative server's requests answered one at a time, untimed (serve.accept_prompts): the accept length
+    # over them as the engine counted each, how many, and its 95% interval (a bootstrap over requests)
+    accept_length_counted: float | None = None
+    accept_length_requests: int | None = None
+    accept_length_ci95: list[float] | None = None
 
     STAGE: ClassVar[str] = "serve"
     _HEAD: ClassVar[tuple[str, ...]] = ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length")
@@ -285,6 +290,7 @@ class ServeResult(_Checked):
         "serve_keys", "baseline_from", "eagle_aux_hidden_state_layer_ids",
     )  # fmt: skip
     _COUNTED: ClassVar[tuple[str, ...]] = ("accept_rate_by_position", "accept_histogram", "acceptance_by_position")
+    _INTERVAL: ClassVar[tuple[str, ...]] = ("accept_length_counted", "accept_length_requests", "accept_length_ci95")
 
     def _flat(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self._HEAD} | self.engine_latency
@@ -293,12 +299,13 @@ class ServeResult(_Checked):
         out |= {k: getattr(self, k) for k in self._COUNTED} | self.phase_ms
         out |= {"eval_expected_accept_length": self.eval_expected_accept_length}
         out |= {"accept_length_rel_diff": self.accept_length_rel_diff}
+        out |= {k: getattr(self, k) for k in self._INTERVAL}
         return out | {"mismatch": self.mismatch, "mismatch_flags": self.mismatch_flags, "headline": self.headline}
 
     @classmethod
     def _take(cls, rest: dict[str, Any]) -> dict[str, Any]:
         out = _pop(rest, *cls._HEAD, *cls._AGREEMENT, *cls._COUNTED, "mismatch", "mismatch_flags")
-        out |= _pop(rest, "eval_expected_accept_length", "accept_length_rel_diff")
+        out |= _pop(rest, "eval_expected_accept_length", "accept_length_rel_diff", *cls._INTERVAL)
         out["engine_latency"] = {k: rest.pop(k) for k in list(rest) if k.endswith(ENGINE_LATENCY_SUFFIXES)}
         out["phase_ms"] = {k: rest.pop(k) for k in list(rest) if k.endswith("_ms")}
         if isinstance(rest.get(f"{out['engine']}_load_check"), dict):
@@ -308,6 +315,8 @@ class ServeResult(_Checked):
     def make_headline(self) -> dict[str, Any]:
         """The speeds, accept lengths and the outputs' agreement; beside them, a baseline measured elsewhere."""
         head = {k: getattr(self, k) for k in (*self._HEAD, "eval_expected_accept_length", "greedy_outputs_identical")}
+        if self.accept_length_counted is not None:
+            head |= {k: getattr(self, k) for k in self._INTERVAL}
         return head | ({"baseline_from": self.baseline_from} if self.baseline_from is not None else {})
 
 

@@ -474,6 +474,10 @@ def _serve_metrics(r: ServeResult) -> dict[str, float]:
     rows = r.per_concurrency or []
     keys = ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length", "accept_length_rel_diff")
     out = _numbers({k: getattr(r, k) for k in keys}, keys)
+    if r.accept_length_counted is not None:  # requests answered one at a time: the figure and its 95% interval
+        out["accept_length_counted"] = float(r.accept_length_counted)
+        out["accept_length_requests"] = float(r.accept_length_requests)
+        out["accept_length_ci95_low"], out["accept_length_ci95_high"] = map(float, r.accept_length_ci95)
     if rows:
         head = rows[0]
         out |= _numbers(head, ("baseline_latency_mean_s", "spec_latency_mean_s")) | _spread(head)
@@ -548,6 +552,14 @@ def run_note(summary: Mapping[str, Any]) -> str:
         rows.append((f"acc_0..{len(own) - 1} (own tokens; {source})", " / ".join(f"{a:.3f}" for a in own)))
     if serve.accept_length is not None:  # None: the target ended every answer before a verify pass
         rows.append(("accept length, served (tokens per verify pass, bonus included)", f"{serve.accept_length:.2f}"))
+    if serve.accept_length_counted is not None:
+        low, high = serve.accept_length_ci95
+        rows.append(
+            (
+                f"accept length, {serve.accept_length_requests} requests answered one at a time (95% interval)",
+                f"{serve.accept_length_counted:.2f} ({low:.2f}-{high:.2f})",
+            )
+        )
     expected = ev.expected_accept_length if ev.expected_accept_length is not None else train.val_expected_accept_length
     if expected is not None:
         rows.append(

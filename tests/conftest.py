@@ -79,6 +79,7 @@ FAST = [
     "train.log_every=4",
     "eval.max_conversations=8",
     "serve.prompts=4",
+    "serve.accept_prompts=null",  # the demo's 100 counted one at a time: the 4 timed prompts here
     "serve.max_new_tokens=24",
 ]
 

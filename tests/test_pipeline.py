@@ -73,6 +73,10 @@ def test_full_pipeline(tiny_config, tmp_path):
     assert row["baseline_tok_s"] == sorted(row["baseline_tok_s_passes"])[1], "tok/s is the median pass"
     assert serve["accept_length"] >= 1.0
     assert abs(serve["accept_length"] - ev["expected_accept_length"]) / ev["expected_accept_length"] <= 0.10
+    # the same prompts answered one at a time (the reference engine's spec_verify_ct per response): the same count
+    assert serve["accept_length_requests"] == cfg.serve.prompts
+    assert serve["accept_length_counted"] == pytest.approx(serve["accept_length"], rel=1e-12)
+    assert serve["accept_length_ci95"][0] <= serve["accept_length_counted"] <= serve["accept_length_ci95"][1]
     assert summary["mismatch_flags"] == []
     # where the time went: each stage in its job and as a job, each server serve started, the whole run
     assert set(summary["seconds"]) == {"extract", "train", "eval", "serve"}

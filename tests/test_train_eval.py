@@ -131,6 +131,25 @@ def test_accuracy_gap_must_exceed_tolerance_and_sampling_noise():
     assert significant_gaps({"acc_gap_0": 0.05, "acc_gap_se_0": 0.001}, 1, 0.03)[0] == {0: 0.05}
 
 
+def test_the_served_accept_lengths_interval_is_over_requests_and_narrows_with_them():
+    """serve's per-request count: Σ tokens / Σ verify passes over the requests answered one at a time, with a
+    seeded bootstrap over requests. Requests that all accept alike give no spread; a mix of 2.0 and 4.0 gives a
+    spread that holds the pooled figure and narrows about as 1/sqrt(requests)."""
+    from orchestrator.stages.serve import accept_interval
+
+    same = accept_interval([[30, 10]] * 8)
+    assert same == {"accept_length_counted": 3.0, "accept_length_requests": 8, "accept_length_ci95": [3.0, 3.0]}
+    mixed = [[20, 10], [40, 10]] * 8  # 2.0 and 4.0 each
+    few, many = accept_interval(mixed), accept_interval(mixed * 16)
+    assert few["accept_length_counted"] == many["accept_length_counted"] == 3.0
+    (lo, hi), (lo_many, hi_many) = few["accept_length_ci95"], many["accept_length_ci95"]
+    assert lo < 3.0 < hi and lo_many < 3.0 < hi_many
+    assert (hi - lo) / (hi_many - lo_many) == pytest.approx(4.0, rel=0.25), "16x the requests: a quarter the width"
+    assert accept_interval(mixed) == few, "seeded: the same counts, the same interval"
+    # a request's passes are not independent draws: a long request of low acceptance weighs by its passes
+    assert accept_interval([[20, 10], [400, 100]])["accept_length_counted"] == pytest.approx(420 / 110)
+
+
 def test_eval_compares_served_and_trained_states_on_the_same_sequences(trained, tmp_path):
     """A matched draft: the paired gap is within noise at every position and nothing is flagged; the served
     accuracies are computed on the extraction's own validation sequences."""

@@ -99,6 +99,12 @@ def test_vllm_serves_the_draft_and_its_counters_agree_with_eval(vllm_python, fas
         expected,
     )
     assert serve["mismatch_flags"] == [] and serve["greedy_differing_token_rate"] <= cfg.serve.greedy_token_tolerance
+    # the same prompts answered one at a time after the pass (serve.accept_prompts: null, serve.prompts): per
+    # request, vLLM's counters add up to the pass's count, and the interval holds the figure
+    assert serve["accept_length_requests"] == cfg.serve.prompts
+    assert serve["accept_length_counted"] == pytest.approx(serve["accept_length"], rel=1e-9)
+    low, high = serve["accept_length_ci95"]
+    assert low <= serve["accept_length_counted"] <= high and low < high
     acceptance = serve["acceptance_by_position"]
     assert len(acceptance) == cfg.serve.num_steps and 1.0 + sum(acceptance) == pytest.approx(serve["accept_length"])
     assert sum(serve["accept_histogram"]) > 0
@@ -109,6 +115,9 @@ def test_vllm_serves_the_draft_and_its_counters_agree_with_eval(vllm_python, fas
     metrics = MlflowClient(summary["tracking_uri"]).get_run(summary["mlflow_run_id"]).data.metrics
     assert metrics["serve/accept_length"] == pytest.approx(serve["accept_length"])
     assert {"serve/acceptance_0", "serve/spec_ttft_mean_s", "serve/spec_itl_mean_s"} <= metrics.keys()
+    assert [metrics["serve/accept_length_ci95_low"], metrics["serve/accept_length_ci95_high"]] == pytest.approx(
+        [low, high]
+    )
     # the draft vLLM loaded: the trained weights (hard links), its ids in vLLM's convention
     draft = Path(summary["run_dir"]) / "draft_vllm"
     trained = make_plan(cfg, tmp_path / "run").dir("train") / "draft"

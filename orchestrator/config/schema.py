@@ -314,6 +314,9 @@ class ServeConfig:
     extra_args: list[str] = MISSING
     prompts: int = MISSING
     max_new_tokens: int = MISSING
+    # the prompts the speculative server answers one at a time, untimed, for per-request accept lengths and their
+    # interval (null: serve.prompts; 0: none)
+    accept_prompts: Optional[int] = MISSING
     concurrency: list[int] = MISSING
     # Passes over the prompt set per concurrency level; tok/s is the median pass (timing noise), and every
     # pass must produce the same greedy outputs.

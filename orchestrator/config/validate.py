@@ -242,6 +242,10 @@ def validate(cfg: RootConfig) -> None:
         f"serve.prompts={s.prompts}, serve.max_new_tokens={s.max_new_tokens}: expected >= 1 each",
     )
     check(
+        s.accept_prompts is None or s.accept_prompts >= 0,
+        f"serve.accept_prompts={s.accept_prompts}: expected >= 0 (0: no per-request count) or null (serve.prompts)",
+    )
+    check(
         bool(s.concurrency) and min(s.concurrency) >= 1,
         f"serve.concurrency={s.concurrency}: expected a non-empty list of levels >= 1",
     )

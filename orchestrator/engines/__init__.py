@@ -220,6 +220,17 @@ class Serving(Engine):
         """One pass over the prompt set: tok/s, output ids, and the accept length as the engine counts it."""
         raise self._missing("benchmark")
 
+    def request_counts(self, server: ServerProcess, prompts: list[list[int]], cfg: RootConfig) -> list[list[int]]:
+        """Each prompt answered alone, in turn: [tokens, verify passes] as the engine counts them for that request
+        (its accept length is their ratio), from the response's own count (`spec_verify_ct`: SGLang's /generate, the
+        reference engine); a request that ended on its prefill token has no verify pass and is left out."""
+        s, out = cfg.serve, []
+        for prompt in prompts:
+            meta = self.request(server, prompt, s.max_new_tokens, s.request_timeout_s)["meta_info"]
+            if meta.get("spec_verify_ct"):
+                out.append([int(meta["completion_tokens"]), int(meta["spec_verify_ct"])])
+        return out
+
     def server_info(self, server: ServerProcess) -> dict[str, Any]:
         return {}
 

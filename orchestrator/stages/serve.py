@@ -52,7 +52,7 @@ def run_server(
     engine.check_command(cfg, command)
     log = out / f"{mode}_server.log"
     print(f"[serve] {mode}: {' '.join(command)}")
-    passes = {}
+    passes, counts, timed = {}, None, prompts[: s.prompts]
     clock = [time.monotonic()]
     with client.ServerProcess(command, port, log, s.startup_timeout_s, env=engine.server_env(cfg)) as server:
         ready()
@@ -63,21 +63,58 @@ def run_server(
         for c in s.concurrency:
             cached = have.get(str(c), [])
             passes[str(c)] = cached + [
-                engine.benchmark(server, prompts, cfg, c) for _ in range(max(0, s.repeats - len(cached)))
+                engine.benchmark(server, timed, cfg, c) for _ in range(max(0, s.repeats - len(cached)))
             ]
         clock.append(time.monotonic())
+        if draft is not None and accept_prompts(cfg):  # untimed, after the passes: each request's own count
+            counts = engine.request_counts(server, prompts[: accept_prompts(cfg)], cfg)
+            clock.append(time.monotonic())
         info = engine.server_info(server)
-    # where this server's time went: starting until healthy, the warm-up request, the passes it ran
-    seconds = {k: round(b - a, 3) for k, a, b in zip(("startup_s", "warmup_s", "measure_s"), clock, clock[1:])}
-    return {"command": command, "log": str(log), "passes": passes, "server_info": info, "seconds": seconds}
+    # where this server's time went: starting until healthy, the warm-up request, the passes it ran, the count
+    phases = ("startup_s", "warmup_s", "measure_s", "count_s")
+    seconds = {k: round(b - a, 3) for k, a, b in zip(phases, clock, clock[1:])}
+    out = {"command": command, "log": str(log), "passes": passes, "server_info": info, "seconds": seconds}
+    return out | ({"request_counts": counts} if counts is not None else {})
 
 
-def measurement_keys(stage_keys: dict[str, str], measuring: str | None, prompts: list[list[int]]) -> dict[str, str]:
+def accept_prompts(cfg: RootConfig) -> int:
+    """The prompts the speculative server answers one at a time for per-request counts (serve.accept_prompts)."""
+    n = cfg.serve.accept_prompts
+    return cfg.serve.prompts if n is None else n
+
+
+def accept_interval(counts: list[list[int]], resamples: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """The accept length over requests answered alone (Σ tokens / Σ verify passes, each request's [tokens, verify
+    passes] as the engine counted them) and its 95% interval: the 2.5th and 97.5th percentiles of the same ratio
+    over `resamples` resamplings of the requests with replacement (a bootstrap; seeded, so the same counts give the
+    same interval). Requests, not verify passes, are the independent draws: one request's passes share its text."""
+    import random
+
+    tokens, passes = [c[0] for c in counts], [c[1] for c in counts]
+    pooled, n = sum(tokens) / sum(passes), len(counts)
+    rng = random.Random(seed)
+    draws = []
+    for _ in range(resamples):
+        pick = [rng.randrange(n) for _ in range(n)]
+        draws.append(sum(tokens[i] for i in pick) / sum(passes[i] for i in pick))
+    draws.sort()
+    low, high = draws[int(0.025 * resamples)], draws[int(0.975 * resamples) - 1]
+    return {"accept_length_counted": pooled, "accept_length_requests": n, "accept_length_ci95": [low, high]}
+
+
+def measurement_keys(
+    stage_keys: dict[str, str], measuring: str | None, prompts: list[list[int]], timed: int
+) -> dict[str, str]:
     """The cache keys of the baseline and speculative passes: the plan's (pipeline.stage_keys), with what only the
-    job knows: the engine as installed (`Engine.measuring`) and the prompts' token ids."""
-    prompts_sha = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+    job knows: the engine as installed (`Engine.measuring`) and the token ids of the prompts each server answers
+    (the baseline the first `timed`, serve.prompts; the speculative server also those it counts one at a time)."""
+
+    def sha(p: list[list[int]]) -> str:
+        return hashlib.sha256(json.dumps(p).encode()).hexdigest()
+
+    answered = {"baseline": sha(prompts[:timed]), "speculative": sha(prompts)}
     return {
-        mode: stable_hash({"plan": stage_keys[f"serve_{mode}"], "engine": measuring, "prompts": prompts_sha})
+        mode: stable_hash({"plan": stage_keys[f"serve_{mode}"], "engine": measuring, "prompts": answered[mode]})
         for mode in ("baseline", "speculative")
     }
 
@@ -225,14 +262,16 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> ServeResult:
     ids = _guarded_ids(cfg, draft, target, flags)
     tracker.tags({"serve.eagle_aux_hidden_state_layer_ids": json.dumps(ids)})  # the layers' param is aux_layers
     prompts = _prompts(cfg, target)
-    keys = measurement_keys(plan.stage_keys, engine.measuring(installed), prompts)
+    keys = measurement_keys(plan.stage_keys, engine.measuring(installed), prompts, s.prompts)
     servers, started, loaded = _measure_servers(cfg, plan, tracker, compute, (target, draft), prompts, keys, flags)
     # the result's stored keys, in their order, as the measurements give them
     measured = _compared(cfg, servers, flags)
+    counts = servers["speculative"].get("request_counts")
+    measured |= accept_interval(counts) if counts else {}
     measured |= _how_measured(cfg, installed, servers, started, keys, tracker.run_id)
     measured |= {"eagle_aux_hidden_state_layer_ids": ids, "compute": compute.describe()}
     measured |= _engine_counts(cfg, loaded, servers)
-    measured |= _against_eval(cfg, plan, measured["accept_length"], flags)
+    measured |= _against_eval(cfg, plan, measured.get("accept_length_counted") or measured["accept_length"], flags)
     measured |= {"mismatch": bool(flags), "mismatch_flags": flags}
     result = ServeResult.from_dict(measured)
     result.headline = result.make_headline()
@@ -253,10 +292,12 @@ def _guarded_ids(cfg: RootConfig, draft: Path, target: Path, flags: list[str]) -
 
 
 def _prompts(cfg: RootConfig, target: Path) -> list[list[int]]:
-    """The first serve.prompts validation conversations' prompts, as the target's tokenizer renders them."""
+    """The first validation conversations' prompts, as the target's tokenizer renders them: serve.prompts for the
+    timed passes, serve.accept_prompts for the per-request count, whichever is more."""
     tokenizer = load_tokenizer(target, cfg.target.trust_remote_code, cfg.data.chat_template)
     _, val_convs = conversations(cfg.data, cfg.seed)
-    return [prompt_ids(tokenizer, c, cfg.data.max_seq_len) for c in val_convs[: cfg.serve.prompts]]
+    n = max(cfg.serve.prompts, accept_prompts(cfg))
+    return [prompt_ids(tokenizer, c, cfg.data.max_seq_len) for c in val_convs[:n]]
 
 
 def _measure_servers(
@@ -422,8 +463,10 @@ def _engine_counts(cfg: RootConfig, loaded: dict | None, servers: dict[str, dict
 
 
 def _against_eval(cfg: RootConfig, plan, accept_length: float, flags: list[str]) -> dict[str, Any]:
-    """The served accept length against eval's expected one, where eval ran: apart by more than
-    serve.accept_length_tolerance, serving feeds the draft differently from the standalone eval."""
+    """The served accept length (over the requests answered one at a time where they ran, else the first timed
+    pass's) against eval's expected one, where eval ran: apart by more than serve.accept_length_tolerance, serving
+    feeds the draft differently from the standalone eval. Eval's is over its first eval.max_conversations
+    validation sequences; with serve.accept_prompts as many, the count is over the same conversations' prompts."""
     s = cfg.serve
     eval_manifest = plan.dir("eval") / "manifest.json"
     if not eval_manifest.exists():

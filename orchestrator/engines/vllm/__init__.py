@@ -64,6 +64,12 @@ class VLLM(Serving, Capturing):
         s = cfg.serve
         return cli.benchmark(server, prompts, s.max_new_tokens, concurrency, s.request_timeout_s, s.num_steps)
 
+    def request_counts(self, server, prompts, cfg):
+        """Its counters read before and after each request sent alone: [drafts + accepted tokens, drafts], whose
+        ratio is the request's accept length as `pass_statistics` counts a pass's."""
+        s = cfg.serve
+        return cli.request_counts(server, prompts, s.max_new_tokens, s.request_timeout_s)
+
     def server_info(self, server):
         return cli.server_info(server)
 

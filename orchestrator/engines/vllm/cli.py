@@ -429,6 +429,36 @@ def benchmark(
     return result | pass_statistics(before, metrics(server), num_steps)
 
 
+def request_counts(
+    server: client.ServerProcess, prompts: list[list[int]], max_new_tokens: int, timeout: float
+) -> list[list[int]]:
+    """Each prompt sent alone, vLLM's counters read before and after it: [drafts + accepted tokens, drafts] per
+    request (its accept length, 1 + accepted / drafts, is their ratio); a request with no draft is left out."""
+    names = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
+    out, before = [], counters(server, names)
+    for prompt in prompts:
+        complete(server, prompt, max_new_tokens, timeout)
+        after = counters(server, names)
+        drafts, accepted = (a - b for a, b in zip(after, before))
+        if drafts:
+            out.append([int(round(drafts + accepted)), int(round(drafts))])
+        before = after
+    return out
+
+
+def counters(server: client.ServerProcess, names: tuple[str, ...]) -> tuple[float, ...]:
+    """`names`' values in vLLM's /metrics, each summed over its engines: the lines of those counters alone, read
+    without parsing the whole exposition (`metrics` parses every family; slower)."""
+    r = requests.get(f"{server.url}/metrics", timeout=30)
+    r.raise_for_status()
+    sums = dict.fromkeys(names, 0.0)
+    for line in r.text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in sums:
+            sums[name] += float(line.rsplit(" ", 1)[1])
+    return tuple(sums[n] for n in names)
+
+
 def server_info(server: client.ServerProcess) -> dict[str, Any]:
     """vLLM's version, from its /version endpoint (vLLM has no /server_info); its counters are read per pass."""
     version = requests.get(f"{server.url}/version", timeout=10)
