@@ -82,9 +82,13 @@ def main() -> None:
         "figures": {
             run: {
                 k: s["summary"]["stages"][st].get(k)
-                for st, k in (("eval", "expected_accept_length"), ("serve", "accept_length"),
-                              ("serve", "accept_length_counted"), ("serve", "accept_length_ci95"),
-                              ("serve", "speedup"))
+                for st, k in (
+                    ("eval", "expected_accept_length"),
+                    ("serve", "accept_length"),
+                    ("serve", "accept_length_counted"),
+                    ("serve", "accept_length_ci95"),
+                    ("serve", "speedup"),
+                )
             }
             for run, s in (("cold", cold), ("warm", warm))
         },  # fmt: skip
