@@ -39,6 +39,10 @@ FIGURES = {
     "eval acc_2 (served states)": ("eval", "acc_2"),
     "eval expected accept length": ("eval", "expected_accept_length"),
     "served accept length": ("serve", "accept_length"),
+    "served accept length, requests one at a time": ("serve", "accept_length_counted"),
+    "  its 95% interval, low": ("serve", ("accept_length_ci95", 0)),
+    "  its 95% interval, high": ("serve", ("accept_length_ci95", 1)),
+    "  requests counted": ("serve", "accept_length_requests"),
     "served acceptance, position 0": ("serve", ("acceptance_by_position", 0)),
     "served acceptance, position 1": ("serve", ("acceptance_by_position", 1)),
     "served acceptance, position 2": ("serve", ("acceptance_by_position", 2)),
@@ -98,6 +102,7 @@ def main() -> None:
     print(f"\n{args.runs} runs of +experiment=tiny_eagle3 {' '.join(overrides)}")
     print(
         f"target {cfg.target.name}: held-out loss {report['heldout_loss']:.2f} (uniform {report['uniform_loss']:.2f}), "
+        f"{'built here' if cfg.target.tiny.rebuild else 'the repository build (orchestrator/tiny/shipped)'}, "
         f"built in {report['total_seconds']:.0f} s with {report['environment']}"
     )
     serve = summaries[-1]["stages"].get("serve", {})
