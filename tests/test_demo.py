@@ -30,6 +30,10 @@ def test_readme_demo_ends_without_a_mismatch(tmp_path):
     assert ev["sequences"] == 100, "eval covers every validation sequence, as training does"
     assert abs(ev["acc_0"] - train["val_acc_0"]) <= 0.03
     assert serve["greedy_outputs_identical"] is True
+    # eval's 100 validation prompts answered one at a time (serve.accept_prompts): eval's prediction, over the same
+    # conversations, inside the served accept length's 95% interval
+    low, high = serve["accept_length_ci95"]
+    assert serve["accept_length_requests"] >= 90 and low <= ev["expected_accept_length"] <= high, serve
     if serve["engine"] == "vllm":  # scripts/make_vllm_env.sh built its environment, as the README's command does
         # an engine sharing no code with eval counts within 5% of eval's expectation (measured: 0.6%); on 2 cores
         # its CPU backend gains nothing from speculation (README), so no speedup is asserted
