@@ -128,10 +128,16 @@ def cpu_flags(mla: bool, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
 
 def server_env(cfg: RootConfig) -> dict[str, str]:
     """On a machine without GPUs vLLM's CPU backend reserves `VLLM_CPU_KVCACHE_SPACE` GiB of RAM for its KV cache
-    (its default is a large share of the machine); the tiny targets need far less."""
+    (its default is a large share of the machine); the tiny targets need far less. There its engine core also runs
+    in the server's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as the capture already does), so vLLM is
+    imported once, not twice: healthy after 0.69x the time here (`benchmarks/bench_vllm_startup.py`,
+    docs/measurements.md#where-the-demos-time-goes). Either is the user's to set in the environment."""
     if cfg.serve.resources.gpus_per_node:
         return {}
-    return {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)}
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+    }
 
 
 def available(python: str) -> bool:
