@@ -43,8 +43,8 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 from orchestrator import conf_dir  # noqa: E402
 from orchestrator.config import load  # noqa: E402
+from orchestrator.config.validate import MEASURED_STREAM  # noqa: E402
 from orchestrator.engines.vllm import cli  # noqa: E402
-from orchestrator.estimates import MEASURED_STREAM  # noqa: E402
 from orchestrator.pipeline import make_plan, run_pipeline  # noqa: E402
 from orchestrator.states import stream  # noqa: E402
 from orchestrator.states.shards import load_split  # noqa: E402

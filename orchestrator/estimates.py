@@ -5,11 +5,10 @@ the data files' own count of turns."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from orchestrator.config import RootConfig, captured_layers
+from orchestrator.config.validate import stream_capture_ratio
 from orchestrator.data import answered_turns
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -77,42 +76,6 @@ def stream_buffer(cfg: RootConfig) -> tuple[int, int, int]:
     request = st.request_sequences or cfg.train.batch_size
     sequences = st.buffer_sequences or 2 * request
     return request, sequences, st.buffer_bytes or sequences * cfg.data.max_seq_len * stream_bytes_per_token(cfg)
-
-
-# What benchmarks/bench_stream.py measured (its JSON line, saved with --save): for each engine and transport, the
-# stream's delivery over the engine's own prefill. In the repository, beside the code; absent from an installed wheel.
-MEASURED_STREAM = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "bench_stream.json"
-
-
-def stream_capture_ratio(cfg: RootConfig, measured: Path = MEASURED_STREAM) -> tuple[float, str]:
-    """The share of the engine's own rate (`train.stream.capture_samples_per_s`) the stream delivers, and where
-    the figure comes from: `train.stream.capture_ratio` where set, else the ratio `benchmarks/bench_stream.py`
-    measured for `extract.engine` through `train.stream.transport` on the kind of device the service runs on
-    (`extract.resources.gpus_per_node`: GPUs or a CPU), else 1 (not measured there: the engine's rate as given).
-    A ratio measured on a CPU does not price a GPU service: there the engine, the service and its reader share the
-    cores, on a GPU node the engine has the GPUs to itself."""
-    st = cfg.train.stream
-    if st.capture_ratio is not None:
-        return st.capture_ratio, "train.stream.capture_ratio"
-    engine, transport = cfg.extract.engine, st.transport
-    device = "cuda" if cfg.extract.resources.gpus_per_node > 0 else "cpu"
-    try:
-        run = json.loads(Path(measured).read_text())
-        ratio = float(run["engines"][engine]["stream"][transport]["ratio"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 1.0, f"no ratio measured for extract.engine={engine} through {transport}: the engine's rate as given"
-    cpu = run.get("cpu") or {}
-    where = f"{cpu.get('cpu', 'an unnamed processor')}, {cpu.get('torch_cpu_capability', '?')}"
-    if run.get("device", "cpu") != device:
-        return 1.0, (
-            f"the engine's rate as given: benchmarks/bench_stream.py measured {ratio:.2f} for extract.engine={engine} "
-            f"through {transport} on a {run.get('device', 'cpu')} ({where}), not on the {device} the service "
-            "runs on; measure it there (--save) or set train.stream.capture_ratio"
-        )
-    return ratio, (
-        f"measured by benchmarks/bench_stream.py for extract.engine={engine} through {transport} on {where} "
-        f"({Path(measured).name}, {run.get('measured_at', 'undated')}); set train.stream.capture_ratio to override"
-    )
 
 
 def stream_cost(cfg: RootConfig) -> dict[str, Any] | None:

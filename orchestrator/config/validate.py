@@ -4,6 +4,7 @@ including what each engine (orchestrator/engines) accepts, before any job is sub
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -117,6 +118,42 @@ def check_stream(cfg: RootConfig) -> None:
     check_stream_balance(cfg)
 
 
+# What benchmarks/bench_stream.py measured (its JSON line, saved with --save): for each engine and transport, the
+# stream's delivery over the engine's own prefill. In the repository, beside the code; absent from an installed wheel.
+MEASURED_STREAM = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "bench_stream.json"
+
+
+def stream_capture_ratio(cfg: RootConfig, measured: Path = MEASURED_STREAM) -> tuple[float, str]:
+    """The share of the engine's own rate (`train.stream.capture_samples_per_s`) the stream delivers, and where
+    the figure comes from: `train.stream.capture_ratio` where set, else the ratio `benchmarks/bench_stream.py`
+    measured for `extract.engine` through `train.stream.transport` on the kind of device the service runs on
+    (`extract.resources.gpus_per_node`: GPUs or a CPU), else 1 (not measured there: the engine's rate as given).
+    A ratio measured on a CPU does not price a GPU service: there the engine, the service and its reader share the
+    cores, on a GPU node the engine has the GPUs to itself."""
+    st = cfg.train.stream
+    if st.capture_ratio is not None:
+        return st.capture_ratio, "train.stream.capture_ratio"
+    engine, transport = cfg.extract.engine, st.transport
+    device = "cuda" if cfg.extract.resources.gpus_per_node > 0 else "cpu"
+    try:
+        run = json.loads(Path(measured).read_text())
+        ratio = float(run["engines"][engine]["stream"][transport]["ratio"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 1.0, f"no ratio measured for extract.engine={engine} through {transport}: the engine's rate as given"
+    cpu = run.get("cpu") or {}
+    where = f"{cpu.get('cpu', 'an unnamed processor')}, {cpu.get('torch_cpu_capability', '?')}"
+    if run.get("device", "cpu") != device:
+        return 1.0, (
+            f"the engine's rate as given: benchmarks/bench_stream.py measured {ratio:.2f} for extract.engine={engine} "
+            f"through {transport} on a {run.get('device', 'cpu')} ({where}), not on the {device} the service "
+            "runs on; measure it there (--save) or set train.stream.capture_ratio"
+        )
+    return ratio, (
+        f"measured by benchmarks/bench_stream.py for extract.engine={engine} through {transport} on {where} "
+        f"({Path(measured).name}, {run.get('measured_at', 'undated')}); set train.stream.capture_ratio to override"
+    )
+
+
 # A plan whose trainers or capture service would wait more than half the time is refused: one side's GPUs idle.
 IDLE_LIMIT = 0.5
 
@@ -125,8 +162,6 @@ def check_stream_balance(cfg: RootConfig) -> None:
     """With both rates estimated (train.stream.train_samples_per_s per trainer GPU, capture_samples_per_s for the
     service's engine, times the share of it the stream delivers, `estimates.stream_capture_ratio`), the side that
     would idle most of the time, named with the keys that change it."""
-    from orchestrator.estimates import stream_capture_ratio
-
     t, st = cfg.train, cfg.train.stream
     if st.capture_ratio is not None and not 0 < st.capture_ratio <= 1:
         raise ConfigError(f"train.stream.capture_ratio={st.capture_ratio}: expected in (0, 1] or null (measured)")
