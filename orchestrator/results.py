@@ -313,8 +313,12 @@ class ServeResult(_Checked):
         return out
 
     def make_headline(self) -> dict[str, Any]:
-        """The speeds, accept lengths and the outputs' agreement; beside them, a baseline measured elsewhere."""
+        """The speeds, accept lengths and the outputs' agreement, the engine that served them and, where it stood in
+        for the one asked for, why; beside them, a baseline measured elsewhere."""
         head = {k: getattr(self, k) for k in (*self._HEAD, "eval_expected_accept_length", "greedy_outputs_identical")}
+        head["engine"] = " ".join(str(v) for v in (self.engine, self.engine_version) if v) or None
+        if self.engine_fallback:
+            head["engine_fallback"] = self.engine_fallback
         if self.accept_length_counted is not None:
             head |= {k: getattr(self, k) for k in self._INTERVAL}
         return head | ({"baseline_from": self.baseline_from} if self.baseline_from is not None else {})

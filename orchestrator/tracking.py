@@ -550,6 +550,10 @@ def run_note(summary: Mapping[str, Any]) -> str:
     if own:
         source = "eval, exported draft on the live target" if ev.acc else "training validation"
         rows.append((f"acc_0..{len(own) - 1} (own tokens; {source})", " / ".join(f"{a:.3f}" for a in own)))
+    if serve.engine is not None:
+        version = f" {serve.engine_version}" if serve.engine_version else ""
+        fallback = f" (**in place of the engine asked for**: {serve.engine_fallback})" if serve.engine_fallback else ""
+        rows.append(("served by", f"{serve.engine}{version}{fallback}"))
     if serve.accept_length is not None:  # None: the target ended every answer before a verify pass
         rows.append(("accept length, served (tokens per verify pass, bonus included)", f"{serve.accept_length:.2f}"))
     if serve.accept_length_counted is not None:

@@ -41,7 +41,7 @@ else
   demo=(serve=reference target.tiny.train.steps=60 target.tiny.train.max_files=80 data.max_files=80 data.max_train_conversations=96
         data.max_val_conversations=16 data.max_seq_len=160 extract.shard_conversations=32 train.max_steps=16
         train.val_every=8 train.checkpoint_every=4 train.log_every=4 eval.max_conversations=8 serve.prompts=4
-        serve.max_new_tokens=24 serve.concurrency=[1] serve.repeats=1)
+        serve.max_new_tokens=24 serve.concurrency=[1] serve.repeats=1 serve.accept_prompts=null)
   bench=(--device cpu --shape tiny --seqs 64 --steps 2 --warmup 1)
 fi
 if [ "$dry" = 1 ]; then
@@ -78,36 +78,5 @@ PY
   exit 0
 fi
 
-"$python" - "$out" "$mode" "$demo_s" <<'PY'
-import json, sys
-from pathlib import Path
-
-out, mode, demo_s = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-summary = json.loads((out / "run" / "summary.json").read_text())
-stages = summary["stages"]
-devices = {s: r.get("compute", {}).get("device") for s, r in stages.items()}
-bench = json.loads((out / "bench.json").read_text())
-line = {
-    "mode": mode,
-    "stage_devices": devices,
-    "stage_dtypes": {s: r.get("compute", {}).get("dtype") for s, r in stages.items()},
-    "all_on_device": all(d == mode for d in devices.values()),
-    "demo_s": demo_s,
-    "train_val_acc_0": stages["train"].get("val_acc_0"),
-    "eval_expected_accept_length": stages["eval"].get("expected_accept_length"),
-    # the states eval's live target serves against those extracted for training (bf16 on the GPU: the rounding that a
-    # tolerance on this distance would have to allow)
-    "eval_served_states_rel_diff": stages["eval"].get("served_states_rel_diff"),
-    "served_accept_length": stages["serve"].get("accept_length"),
-    "speedup": stages["serve"].get("speedup"),
-    # the machine the serve job recorded with its passes (orchestrator/compute.py hardware): on a GPU, nvidia-smi's
-    # names of the node's GPUs after the processor's
-    "serve_hardware": stages["serve"]["measured_by"]["baseline"][-1].get("hardware"),
-    # bf16 on the GPU: the measured rate that serve.greedy_token_tolerance should be set from
-    "greedy_differing_token_rate": stages["serve"].get("greedy_differing_token_rate"),
-    "mismatch_flags": summary["mismatch_flags"],
-    "bench": bench,
-}
-print(json.dumps(line))
-sys.exit(0 if line["all_on_device"] else 1)
-PY
+# the JSON line (scripts/gpu_check_line.py, which tests/test_gpu_check.py also runs on constructed results)
+"$python" scripts/gpu_check_line.py "$out" "$mode" "$demo_s"

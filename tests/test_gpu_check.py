@@ -35,6 +35,48 @@ def test_gpu_check_runs_reduced_on_the_cpu(fast_cache, tmp_path):
     assert 0 < line["eval_served_states_rel_diff"] < 2**-9
     assert line["bench"], "the benchmark's results are part of the line"
     assert line["serve_hardware"] == hardware(gpus=False)  # on a GPU, the processor then nvidia-smi's GPU names
+    # the engine that served, named; SpecForge's rows skipped on the CPU, saying why, and not a failure there
+    assert (line["engine"], line["engine_fallback"]) == ("reference", None)
+    assert line["specforge_measured"] == 0 and any("device is cpu" in r for r in line["specforge_missing"])
+    assert "served by reference" in proc.stderr
+
+
+def _check_line(tmp_path: Path, mode: str, specforge: list[dict], fallback: str | None = None):
+    """scripts/gpu_check_line.py on a constructed run: every stage on `mode`, the reference engine serving in place
+    of vLLM where `fallback` says so, the benchmark's rows as given."""
+    out = tmp_path / mode
+    (out / "run").mkdir(parents=True)
+    compute = {"device": mode, "dtype": "bfloat16"}
+    serve = {"compute": compute, "accept_length": 2.5, "speedup": 1.3, "engine": "reference", "engine_version": None,
+             "engine_fallback": fallback, "measured_by": {"baseline": [{"hardware": "a GPU"}]}}  # fmt: skip
+    stages = {s: {"compute": compute} for s in ("extract", "train", "eval")} | {"serve": serve}
+    (out / "run" / "summary.json").write_text(json.dumps({"stages": stages, "mismatch_flags": []}))
+    project = {"implementation": "project", "seq": 2048, "status": "measured"}
+    (out / "bench.json").write_text(json.dumps({"results": [project, *specforge]}))
+    proc = subprocess.run(["python3", "scripts/gpu_check_line.py", str(out), mode, "60"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    return proc, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_gpu_checks_line_names_the_engine_and_fails_without_specforges_rows_on_a_gpu(tmp_path):
+    """On a GPU machine the demo may be served by the reference engine (no CUDA vLLM there): the line says so. The
+    check's comparison with SpecForge is its point there: missing rows fail it, as a stage off the device does."""
+    measured = [
+        {"implementation": f"specforge:{backend}", "seq": 2048, "status": "measured"}
+        for backend in ("flex_attention", "sdpa")
+    ]
+    proc, line = _check_line(tmp_path / "ok", "cuda", measured, fallback="no CUDA vLLM in serve.python")
+    assert proc.returncode == 0, proc.stderr
+    assert (line["engine"], line["engine_fallback"]) == ("reference", "no CUDA vLLM in serve.python")
+    assert "in place of the engine asked for: no CUDA vLLM" in proc.stderr and line["specforge_measured"] == 2
+    missing = [{"implementation": "specforge:flex_attention", "seq": 2048, "status": "skipped",
+                "reason": "cannot import specforge (ModuleNotFoundError)"}]  # fmt: skip
+    proc, line = _check_line(tmp_path / "missing", "cuda", missing)
+    assert proc.returncode == 1 and "cannot import specforge" in line["failed"]
+    proc, line = _check_line(tmp_path / "none", "cuda", [])
+    assert proc.returncode == 1 and "none ran" in line["failed"]
+    proc, line = _check_line(tmp_path / "cpu", "cpu", missing)  # the CPU has no triton: skipped, not failed
+    assert proc.returncode == 0 and "failed" not in line
 
 
 def test_gpu_check_cuda_arguments_parse_without_a_gpu(tmp_path):

@@ -131,6 +131,14 @@ def test_note_is_a_headline_with_the_mismatch_in_full():
     assert "0.483 / 0.200" in note and "1.37" in note
     assert "**0.72x** (range 1.18-1.43 over the passes)" in note
     assert "| cached stages | train |" in note and f"- {flag}" in note
+    # the engine that served, and why where it stood in for the one asked for; the counted accept length's interval
+    summary["stages"]["serve"] |= {
+        "engine": "reference", "engine_version": "0.1.0", "engine_fallback": "no vLLM at serve.python",
+        "accept_length_counted": 1.4, "accept_length_requests": 100, "accept_length_ci95": [1.31, 1.52],
+    }  # fmt: skip
+    note = tracking.run_note(summary)
+    assert "| served by | reference 0.1.0 (**in place of the engine asked for**: no vLLM at serve.python) |" in note
+    assert "| accept length, 100 requests answered one at a time (95% interval) | 1.40 (1.31-1.52) |" in note
 
 
 def test_run_url_opens_the_runs_table():
