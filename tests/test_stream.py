@@ -98,7 +98,9 @@ def test_stream_stays_within_its_buffer_and_reports_its_cost(both):
     report = summary["stages"]["train"]["stream"]
     assert 0 < report["peak_spool_bytes"] <= BUFFER == report["buffer_bytes"]
     assert report["captured_sequences"] == cfg.train.max_steps * cfg.train.batch_size
-    assert report["captured_tokens"] > 0 and report["capture_tokens_per_s"] > 0 and report["wait_s"] >= 0
+    assert report["captured_tokens"] > 0 and report["capture_tokens_per_s"] > 0
+    # the trainer's wait for states is part of its training's time, not more
+    assert 0 <= report["wait_s"] <= summary["seconds"]["train"]
     assert not list((plan.dir("train") / "stream").glob("*.safetensors")), "every streamed state was consumed"
 
 

@@ -264,7 +264,8 @@ def test_serving_in_bf16_holds_differing_tokens_to_the_tolerance(trained, tiny_c
     # the dtype the servers report, and the flag to the rate
     servers = json.loads((serve_plan.dir("serve") / "serve.json").read_text())["servers"]
     assert [servers[m]["server_info"]["dtype"] for m in ("baseline", "speculative")] == ["bfloat16", "bfloat16"]
-    assert 0.0 <= rate <= 1.0 and result["compute"]["dtype"] == "bfloat16"
+    # (tests/test_serve_flags.py forces the flag and the rates on both sides of the tolerance)
+    assert result["compute"]["dtype"] == "bfloat16"
     assert (rate > cfg.serve.greedy_token_tolerance) == any(
         "greedy_token_tolerance" in f for f in result["mismatch_flags"]
     )
