@@ -17,8 +17,52 @@ from typing import Any, Iterator
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
-# Bumped when a stage's code changes what it writes; part of every cache key.
-CODE_VERSION = {"extract": 4, "train": 4, "eval": 5, "serve": 5}
+# Bumped when a stage's code changes what it writes; part of every cache key. The code each stage's output
+# depends on is listed in STAGE_CODE, and its digest as of the version is recorded in code_versions.json: a change to
+# that code without a bump (or a recorded reason why its outputs cannot change) fails tests/test_code_versions.py,
+# so a cached result is never read for code that would compute another (scripts/record_code_versions.py).
+CODE_VERSION = {"extract": 4, "train": 4, "eval": 5, "serve": 6}
+# The modules (relative to the package, globs allowed) whose code decides each stage's cached output.
+STAGE_CODE = {
+    "extract": ("stages/extract.py", "capture.py", "regenerate.py", "data.py", "states/*.py", "engines/hf/*.py",
+                "engines/vllm/capture.py", "engines/vllm/side/*.py", "tiny/*.py", "wrappers.py", "families.py",
+                "layers.py", "targets.py", "compute.py"),
+    "train": ("stages/train.py", "draft/*.py", "states/*.py", "compute.py"),
+    "eval": ("stages/eval.py", "draft/*.py", "capture.py", "engines/hf/*.py", "engines/vllm/capture.py",
+             "engines/vllm/side/*.py", "states/*.py", "compute.py"),
+    "serve": ("stages/serve.py", "engines/client.py", "engines/reference/*.py", "engines/vllm/cli.py",
+              "engines/vllm/ids.py", "engines/sglang/*.py", "draft/export.py", "draft/served.py", "compute.py"),
+}  # fmt: skip
+CODE_VERSIONS_FILE = Path(__file__).with_name("code_versions.json")
+
+
+def code_files(stage: str) -> list[Path]:
+    """The package's modules that decide `stage`'s output (`STAGE_CODE`), sorted."""
+    root = Path(__file__).parent
+    return sorted({f for pattern in STAGE_CODE[stage] for f in root.glob(pattern)})
+
+
+def code_digest(source: str) -> str:
+    """A module's code, not its comments, formatting or docstrings: the hash of its syntax tree with every
+    docstring dropped."""
+    import ast
+
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            if isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree, annotate_fields=False).encode()).hexdigest()[:16]
+
+
+def code_digests() -> dict[str, dict[str, str]]:
+    """Each stage's modules (relative to the package) and their code digests, as they are now."""
+    root = Path(__file__).parent
+    return {
+        stage: {f.relative_to(root).as_posix(): code_digest(f.read_text()) for f in code_files(stage)}
+        for stage in STAGE_CODE
+    }
 
 
 class ArtifactError(ValueError):
@@ -138,3 +182,33 @@ def dir_fingerprint(folder: Path, full_hash_limit: int = 2 << 30) -> str:
         else:
             h.update(str(p.stat().st_size).encode())
     return h.hexdigest()[:16]
+
+
+def record_code_versions(
+    recorded: dict[str, Any], now: dict[str, dict[str, str]], versions: dict[str, int], reason: str | None
+) -> tuple[dict[str, Any], list[str]]:
+    """`recorded` (code_versions.json's content) brought to the code as it is `now`, and the stages refused: a stage
+    whose code changed is recorded at its bumped version (`versions`, CODE_VERSION), or at the same version with
+    `reason` (why its outputs cannot change: a refactor, a message), which the log keeps; else it is refused."""
+    import sys
+
+    # the syntax tree's dump is Python's own: digests compare under the minor version that recorded them
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    out = {"python": python, "stages": dict(recorded.get("stages", {})), "log": list(recorded.get("log", []))}
+    refused = []
+    for stage, files in now.items():
+        before = out["stages"].get(stage, {"version": None, "files": {}})
+        if before["files"] == files and before["version"] == versions[stage]:
+            continue
+        changed = sorted(f for f in files.keys() | before["files"].keys() if files.get(f) != before["files"].get(f))
+        if before["version"] is not None and versions[stage] <= before["version"] and not reason:
+            refused.append(
+                f"{stage}: its code changed ({', '.join(changed)}) at CODE_VERSION[{stage!r}]={versions[stage]}: bump "
+                "it in orchestrator/artifacts.py if the change can alter what the stage computes (its cached results "
+                "are then computed again), or give --reason saying why it cannot"
+            )
+            continue
+        out["stages"][stage] = {"version": versions[stage], "files": files}
+        if reason and before["version"] == versions[stage]:
+            out["log"].append({"stage": stage, "version": versions[stage], "files": changed, "reason": reason})
+    return out, refused
