@@ -268,6 +268,7 @@ class ServeResult(_Checked):
     measured_by: dict[str, list[dict[str, Any]]] | None = None
     serve_keys: dict[str, str] | None = None
     baseline_from: str | None = None  # a baseline another machine or day measured
+    passes_apart: str | None = None  # passes divided or pooled that were measured more than 10 minutes apart
     eagle_aux_hidden_state_layer_ids: list[int] | None = None
     load_check: dict[str, Any] | None = None  # the engine's loader on the draft, stored as `<engine>_load_check`
     accept_rate_by_position: list[float] | None = None
@@ -287,7 +288,7 @@ class ServeResult(_Checked):
     _AGREEMENT: ClassVar[tuple[str, ...]] = (
         "greedy_outputs_identical", "greedy_differing_token_rate", "greedy_check", "per_concurrency", "engine",
         "engine_version", "id_rules", "engine_fallback", "servers_started", "server_seconds", "measured_by",
-        "serve_keys", "baseline_from", "eagle_aux_hidden_state_layer_ids",
+        "serve_keys", "baseline_from", "passes_apart", "eagle_aux_hidden_state_layer_ids",
     )  # fmt: skip
     _COUNTED: ClassVar[tuple[str, ...]] = ("accept_rate_by_position", "accept_histogram", "acceptance_by_position")
     _INTERVAL: ClassVar[tuple[str, ...]] = ("accept_length_counted", "accept_length_requests", "accept_length_ci95")
@@ -321,7 +322,8 @@ class ServeResult(_Checked):
             head["engine_fallback"] = self.engine_fallback
         if self.accept_length_counted is not None:
             head |= {k: getattr(self, k) for k in self._INTERVAL}
-        return head | ({"baseline_from": self.baseline_from} if self.baseline_from is not None else {})
+        head |= {"baseline_from": self.baseline_from} if self.baseline_from is not None else {}
+        return head | ({"passes_apart": self.passes_apart} if self.passes_apart is not None else {})
 
 
 RESULTS: dict[str, type[StageResult]] = {c.STAGE: c for c in (ExtractResult, TrainResult, EvalResult, ServeResult)}

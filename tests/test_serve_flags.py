@@ -60,3 +60,20 @@ def test_passes_of_one_server_that_disagree_fail_where_exact_and_are_recorded_wh
     median = serve._median_pass(passes, 1, exact=False)
     assert median["output_tok_s"] == 100.0 and median["pass_differing_token_rate"] == pytest.approx(2 / 8)
     assert median["output_tok_s_passes"] == [100.0, 110.0, 90.0]
+
+
+def test_passes_measured_apart_are_said_to_be(tiny_config):
+    """A cached baseline divided into fresh speculative passes, or passes added to cached ones, measured more than
+    ten minutes apart: the result says when each was measured (`passes_apart`), within ten minutes it says nothing."""
+
+    def servers(*ats):
+        return {mode: {"measured_by": [{"at": at} for at in times]} for mode, times in zip(("baseline", "speculative"),
+                                                                                          ats)}  # fmt: skip
+
+    assert serve.measured_apart(servers(["2026-12-06T10:00:00+00:00"], ["2026-12-06T10:09:00+00:00"])) is None
+    apart = serve.measured_apart(servers(["2026-12-06T08:00:00+00:00"], ["2026-12-06T10:00:00+00:00"]))
+    assert apart.startswith("the passes were measured 120 minutes apart (baseline at 2026-12-06T08:00:00+00:00; ")
+    pooled = serve.measured_apart(
+        servers(["2026-12-06T10:00:00+00:00"], ["2026-12-06T10:00:00+00:00", "2026-12-06T11:30:00+00:00"])
+    )
+    assert "speculative at 2026-12-06T10:00:00+00:00, 2026-12-06T11:30:00+00:00" in pooled

@@ -179,6 +179,25 @@ def _who(measured_by: list[dict[str, Any]]) -> str:
     return "; ".join(one(m) for m in measured_by)
 
 
+# Passes measured further apart than this are not divided or pooled without a word: a CPU's or a shared node's
+# speed moves within the hour (docs/measurements.md).
+APART_S = 600
+
+
+def measured_apart(servers: dict[str, dict[str, Any]], within_s: float = APART_S) -> str | None:
+    """Where the speedup divides passes measured at different times (a cached baseline, passes added to cached ones
+    by a higher serve.repeats): when, in words, if they span more than `within_s`; else None."""
+    at = {mode: sorted(m["at"] for m in servers[mode]["measured_by"]) for mode in servers}
+    moments = [datetime.fromisoformat(t) for times in at.values() for t in times]
+    if (max(moments) - min(moments)).total_seconds() <= within_s:
+        return None
+    when = "; ".join(f"{mode} at {', '.join(times)}" for mode, times in at.items())
+    return (
+        f"the passes were measured {(max(moments) - min(moments)).total_seconds() / 60:.0f} minutes apart ({when}): "
+        "the machine's speed may differ between them; serve.force=true measures both servers now"
+    )
+
+
 def measured_elsewhere(measured_by: list[dict[str, Any]], run_id: str, hardware_here: str) -> str | None:
     """Where passes this run did not measure came from another machine or another day: which, in words. Another
     machine is another host name or, under one host name, other hardware (`compute.hardware`): machines that share
@@ -431,6 +450,9 @@ def _how_measured(
     elsewhere = measured_elsewhere(servers["baseline"]["measured_by"], run_id, hardware(s.resources.gpus_per_node > 0))
     if elsewhere:
         result["baseline_from"] = elsewhere
+    apart = measured_apart(servers)
+    if apart:
+        result["passes_apart"] = apart
     return result
 
 
