@@ -448,7 +448,7 @@ def test_runs_table_and_compare_view_tell_the_layer_choices_apart(sweep_store, m
     browser.screenshot(tmp_path / "run_page.png")
     assert "0, 3, 6" in page and "cached stages\textract, train" in page and "1.18x (range" in page, page[:3000]
     # every param the run logged (the curated config values, and where each stage ran), as a real run logs them
-    logged = len(tracking.CURATED_PARAMS) + 4 * len(tracking.compute_params(CPU))  # 17 + 4 stages x 4: 33
+    logged = len(tracking.CURATED_PARAMS) + 4 * len(tracking.compute_params(CPU))  # 17 + 4 stages x 5: 37
     assert len(cached.data.params) == len(fresh.data.params) == logged
     assert f"Parameters ({len(cached.data.params)})" in page
 
