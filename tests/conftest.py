@@ -168,6 +168,24 @@ def fast_cache(outputs, tmp_path_factory, worker_id):
     return ensure
 
 
+def forbid_model_loads(monkeypatch) -> None:
+    """Any HF model load in this process fails, naming the class: transformers' one loader every model class
+    inherits (`PreTrainedModel.from_pretrained`: the Auto classes, a wrapper checkpoint's text class in
+    `orchestrator/wrappers.py`, any other), and the project's own entry point (`targets.load_target`)."""
+    import transformers.modeling_utils
+
+    import orchestrator.targets
+
+    def refuse(cls, *args, **kwargs):
+        raise AssertionError(f"HF transformers was asked to load a model: {cls.__name__}.from_pretrained{args[:1]}")
+
+    def refuse_target(path, *args, **kwargs):
+        raise AssertionError(f"the project was asked to load the target: targets.load_target({path})")
+
+    monkeypatch.setattr(transformers.modeling_utils.PreTrainedModel, "from_pretrained", classmethod(refuse))
+    monkeypatch.setattr(orchestrator.targets, "load_target", refuse_target)
+
+
 # The tiny Kimi-K2.5 (+experiment=tiny_kimi_eagle3's target) shrunk to build in seconds: the text model keeps MLA
 # with Kimi's latent dims (kv_lora_rank 512, qk_rope_head_dim 64), MoE with Kimi's router, and the YaRN rope.
 TINY_KIMI_MODEL = {

@@ -272,3 +272,34 @@ def test_the_tiny_kimi_speaks_kimis_published_template(tiny_kimi_dir):
     assert [full[a:b] for a, b in spans] == ["Seven.<|im_end|>"]
     rendered = render(tok, conversation, 1 << 20)
     assert tok.decode([i for i, m in zip(rendered.input_ids, rendered.loss_mask) if m]) == "Seven.<|im_end|>"
+
+
+def test_the_model_load_guard_fires_on_every_loader_the_project_uses(tiny_kimi_dir, monkeypatch):
+    """`conftest.forbid_model_loads`, which the "HF never loads the tiny Kimi" test runs under: a wrapper checkpoint
+    loads through its text class (`DeepseekV3ForCausalLM.from_pretrained`, orchestrator/wrappers.py), past a guard
+    on the Auto classes alone (shown here loading); under this guard it fails, as an Auto class load and the
+    project's own entry point do."""
+    import torch
+    import transformers
+    from conftest import forbid_model_loads
+
+    from orchestrator import targets, wrappers
+    from orchestrator.tiny.build import SHIPPED
+
+    config = wrappers.read_config(tiny_kimi_dir)
+    wrapper = wrappers.wrapper_of(config)
+
+    def load_wrapper():
+        return wrappers.load_text_model(tiny_kimi_dir, config, wrapper, {"dtype": torch.float32})
+
+    with monkeypatch.context() as auto_only:  # the guard as it was: the Auto classes patched
+        auto_only.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: 1 / 0)
+        auto_only.setattr(transformers.AutoModel, "from_pretrained", lambda *a, **k: 1 / 0)
+        assert load_wrapper() is not None, "the wrapper's text class loads past a guard on the Auto classes"
+    forbid_model_loads(monkeypatch)
+    with pytest.raises(AssertionError, match=r"DeepseekV3ForCausalLM.from_pretrained"):
+        load_wrapper()
+    with pytest.raises(AssertionError, match=r"LlamaForCausalLM.from_pretrained"):
+        transformers.AutoModelForCausalLM.from_pretrained(SHIPPED / "tiny_llama")
+    with pytest.raises(AssertionError, match=r"targets.load_target"):
+        targets.load_target(tiny_kimi_dir)

