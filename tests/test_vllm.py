@@ -183,6 +183,35 @@ def test_vllms_own_loader_takes_every_weight_of_the_llama_export_and_names_what_
 
 
 @pytest.mark.vllm
+def test_a_draft_without_its_own_embedding_loads_as_vllm_serves_it(vllm_python, fast_cache, tiny_config, tmp_path,
+                                                                    monkeypatch):  # fmt: skip
+    """Published drafts often ship without `embed_tokens`: vLLM's runners give such a draft the target's embedding
+    (its width is the target's here). The loader check says so (`shared`) and refuses nothing; a draft whose
+    checkpoint lacks another tensor is still refused (the test above)."""
+    from safetensors.torch import save_file
+
+    monkeypatch.setenv("VLLM_PYTHON", vllm_python)
+    fast_cache("extract", "train")
+    cfg = tiny_config("cluster=local", "serve=vllm")
+    plan = make_plan(cfg, tmp_path / "run")
+    draft = served_draft_dir(cfg, plan)
+    bare = tmp_path / "bare"
+    shutil.copytree(draft, bare)
+    tensors = load_file(str(bare / "model.safetensors"))
+    dropped = [k for k in tensors if k.endswith("embed_tokens.weight")]
+    assert dropped, sorted(tensors)
+    for name in dropped:
+        del tensors[name]
+    (bare / "model.safetensors").unlink()
+    save_file(tensors, str(bare / "model.safetensors"), metadata={"format": "pt"})
+    report = vllm_engine.check_draft_loads(cfg, plan.target_dir, bare)
+    assert report["problems"] == [] and report["missing"] == [], report
+    assert report["shared"] == {"model.embed_tokens.weight": "the target's embedding (v1 and mrv2)"}, report
+    loader = [f for f in preflight.run_checks(cfg, plan, str(bare)) if f.category == "vllm loader"]
+    assert loader and all(f.ok for f in loader), loader
+
+
+@pytest.mark.vllm
 def test_vllms_own_loader_takes_every_weight_of_a_deepseek_family_export(vllm_python, tiny_config, tmp_path,
                                                                         monkeypatch):  # fmt: skip
     """The DeepSeek/Kimi family: a draft exported for a tiny DeepSeek-V3 target (MLA, MoE, YaRN rope: Kimi-K2.5's

@@ -24,7 +24,8 @@ machine's engine picks is `VllmConfig.use_v2_model_runner`; which one a GPU with
 is MRV2 unless `_get_v2_model_runner_unsupported_features` names something.
 
 Prints one JSON line: vLLM's version, the architecture and model class, `loaded` and `missing` (parameter names
-as vLLM names them), `unused` (checkpoint names), `refused` (checkpoint names whose load raised, with the error),
+as vLLM names them; not those the runners give the target's instead, `shared`: a draft without its own embedding
+or lm_head), `unused` (checkpoint names), `refused` (checkpoint names whose load raised, with the error),
 `load_error` (the whole load's error, or null), and `runners` (per runner: the ids it reads from the config, or
 null, and the ids it captures), `runner_here` and `mrv2_unsupported`.
 """
@@ -105,6 +106,8 @@ def main(target: str, draft: str, num_steps: int) -> dict:
         except Exception as exc:  # noqa: BLE001 - the server would fail the same way
             load_error = f"{type(exc).__name__}: {exc}"
         missing = sorted(k for k, p in params.items() if bool(unset(p).any()))
+        shared = target_shares(model, missing, vllm_config.model_config.hf_text_config.hidden_size, params)
+        missing = [k for k in missing if k not in shared]
     return {
         "vllm_version": vllm.__version__,
         "architecture": (draft_config.hf_config.architectures or [None])[0],
@@ -112,10 +115,30 @@ def main(target: str, draft: str, num_steps: int) -> dict:
         "loaded": sorted(loaded),
         "unused": sorted(unused),
         "missing": missing,
+        "shared": shared,
         "refused": refused,
         "load_error": load_error,
         **runners,
     }
+
+
+def target_shares(model, missing: list, target_hidden: int, params: dict) -> dict:
+    """The draft parameters left unloaded that vLLM's runners give the target's instead, by their own rules: an
+    EAGLE model whose checkpoint held no `embed_tokens` (`has_own_embed_tokens` false, set by
+    `process_eagle_weight` as it loads) takes the target's embedding, V1's proposer only where the widths match
+    (`_maybe_share_embeddings`, vllm/v1/spec_decode/llm_base_proposer.py), Model Runner V2's whatever they are
+    (`maybe_share_target_embed`, vllm/v1/worker/gpu/spec_decode/eagle/utils.py); one with no `lm_head` takes the
+    target's (`_maybe_share_lm_head`, and V2's `_should_share`). {parameter: what is shared and by which runners}."""
+    shared = {}
+    if not getattr(model, "has_own_embed_tokens", True):
+        for name in (k for k in missing if k.endswith("embed_tokens.weight")):
+            same = params[name].shape[-1] == target_hidden
+            runners = "v1 and mrv2" if same else "mrv2 only (V1 keeps it: its width differs from the target's)"
+            shared[name] = f"the target's embedding ({runners})"
+    if not getattr(model, "has_own_lm_head", True):
+        for name in (k for k in missing if k.split(".")[0] == "lm_head"):
+            shared[name] = "the target's lm_head (v1 and mrv2)"
+    return {k: v for k, v in shared.items() if "only" not in v}
 
 
 def runner_ids(vllm_config) -> dict:
