@@ -536,9 +536,9 @@ def run_checks(cfg: RootConfig, plan, draft_dir: str | None = None) -> list[Find
 def foreign_draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -> list[Finding]:
     """`check_draft=` on a draft trained elsewhere (no provenance: SGLang/SpecForge, vLLM or speculators format):
     prints which target layers each engine, version and runner would feed it, and, where the target is here and
-    HF loads it, finds the layers it was trained on from loss_0 (acc_0 beside it) on the target's own states under
-    each reading (`orchestrator.draft.readings`); refuses serve.engine where it would feed other layers than
-    `aux_layers`, or than the layers found."""
+    HF loads it, finds the reading it fits best by loss_0 (acc_0 beside it) on the target's own states
+    (`orchestrator.draft.readings`), flagged where that is not `aux_layers` (a fit, not a record of its training);
+    refuses serve.engine where it would feed other layers than `aux_layers`."""
     from rich.console import Console
     from rich.table import Table
 
@@ -590,19 +590,24 @@ def foreign_draft_findings(cfg: RootConfig, draft_dir: Path, target_dir: Path) -
             out.append(Finding("trained layers", True, f"{draft_dir}: {result['why']}"))
         else:
             agrees = found == list(cfg.aux_layers)
+            # what was measured is a fit: the reading the draft's first step fits best on this target's states, not
+            # a record of its training (a draft can fit a neighbouring reading better than its own)
             out.append(
                 Finding(
                     "trained layers",
                     agrees,
-                    f"{draft_dir}: does best on {found} by loss_0 (most likely the layers it was trained on), "
-                    f"{result['why']}; aux_layers={list(cfg.aux_layers)}",
-                    "" if agrees else f"set aux_layers={found}",
+                    f"{draft_dir}: fits {found} best by loss_0, {result['why']}; aux_layers={list(cfg.aux_layers)}"
+                    + ("" if agrees else ": a better fit is not a record of the layers it was trained on"),
+                    ""
+                    if agrees
+                    else "confirm the layers from the draft's own training (its recipe or training config) and set "
+                    f"aux_layers to them; {found} fits it best on this target's states",
                 )
             )
     else:
         out.append(Finding("trained layers", True, f"{draft_dir}: not searched: {why_not}"))
-    expected = found if found is not None else list(cfg.aux_layers)
-    whose = "the layers found" if found is not None else "aux_layers"
+    # the engines are held to aux_layers, the user's statement of the trained layers; the fit above is evidence
+    expected, whose = list(cfg.aux_layers), "aux_layers"
     for r in rows:
         if engines.id_convention(s.engine) != r.engine or r.version != engines.engine_version(s):
             continue

@@ -60,7 +60,8 @@ def main(overrides: list[str]) -> None:
             f"| {row['layers']}{mark} | {row['loss_0']:.4f} | {row['loss_0_se']:.4f} | {above} | {row['acc_0']:.4f} "
             f"| {row['acc_0_se']:.4f} | {by} |"
         )
-    print(f"\nverdict: {'does best on ' + str(result['found']) if result['found'] else 'none named'}: {result['why']}")
+    verdict = f"fits {result['found']} best" if result["found"] else "none named"
+    print(f"\nverdict: {verdict}: {result['why']}")
 
 
 if __name__ == "__main__":
