@@ -5,6 +5,7 @@ draft measured by eval in place of a trained one (train.from_draft)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -104,10 +105,11 @@ def test_a_relabeled_draft_is_read_searched_and_measured_by_eval_like_the_traine
                                                                                       tmp_path):  # fmt: skip
     """The FAST draft (trained on [1, 4, 6]) relabeled: `check_draft=` prints each engine's reading (vLLM reads
     [2, 5, 7] as the trained layers; SGLang's Llama rule captures two states only, id 7 being the last layer), and
-    refuses serve.engine=reference, which reads SGLang's convention. The loss_0 search cannot name this draft's
-    layers: 16 steps on the weak FAST target leave its loss_0 at 6.09 under every reading, within 0.0001, and it
-    says so rather than name one (over 48 sequences those consistent 0.0001 named [2, 5, 7] at 12.7 standard errors
-    before `readings.MIN_LEAD`); the demo's draft is named (docs/layers.md's table, scripts/find_trained_layers.py).
+    refuses serve.engine=reference, which reads SGLang's convention. The loss_0 search cannot name this weak draft's
+    layers with confidence (16 steps on the weak FAST target: loss_0 within 0.0001 under every reading with 128-token
+    answers, 2.9 standard errors apart with 64-token ones), and says so rather than name one; where it names one it
+    must be the trained [1, 4, 6] (over 48 sequences consistent 0.0001 differences named [2, 5, 7] at 12.7 standard
+    errors before `readings.MIN_LEAD`).
     Imported with train.from_draft (aux_layers [1, 4, 6]), eval measures exactly what it measures for the trained
     draft: the same weights fed the same states."""
     outputs = fast_cache("extract", "train", "eval")
@@ -121,8 +123,11 @@ def test_a_relabeled_draft_is_read_searched_and_measured_by_eval_like_the_traine
     findings = preflight.run_checks(check, make_plan(check, tmp_path / "check"), str(draft))
     by = {f.category: f for f in findings if f.category in ("draft format", "trained layers")}
     assert by["draft format"].ok and "vllm format" in by["draft format"].message
+    # a weak draft: the search cannot tell (a lead under 0.1% of loss_0, or under 3 standard errors), or names the
+    # layers it was trained on; never another set
     trained = by["trained layers"].message
-    assert "cannot tell" in trained and "under 0.1%" in trained, trained
+    named = re.search(r"fits (\[[\d, ]+\]) best", trained)
+    assert ("cannot tell" in trained and not named) or (named and named.group(1) == "[1, 4, 6]"), trained
     refused = [f for f in findings if f.category == "layer ids" and not f.ok]
     assert len(refused) == 1 and "captures 2 states for 3 ids" in refused[0].message, refused
 
