@@ -270,6 +270,37 @@ def node_limit_findings(cfg: RootConfig) -> list[Finding]:
                     "" if fits else f"lower {stage}.resources.{own} (or its tasks_per_node) to fit one node",
                 )
             )
+    return out + time_limit_findings(cfg)
+
+
+def time_limit_findings(cfg: RootConfig) -> list[Finding]:
+    """Each job's time limit against the partition's longest (`cluster.max_time_min`, where set): a stage's
+    `resources.timeout_min`, and the capture service's job (a streamed training's on Slurm: as long as the training
+    and its eval may run, `pipeline.submit_stream_service`). sbatch refuses such a job, or it stays PENDING on
+    PartitionTimeLimit."""
+    most = cfg.cluster.max_time_min
+    if most is None or cfg.cluster.kind != "slurm":
+        return []
+    jobs = [(s, getattr(cfg, s).resources.timeout_min, f"{s}.resources.timeout_min") for s in cfg.stages]
+    if cfg.train.states == "stream" and "train" in cfg.stages and cfg.train.stream.join is None:
+        served = cfg.train.resources.timeout_min + (cfg.eval.resources.timeout_min if "eval" in cfg.stages else 0)
+        service = max(cfg.extract.resources.timeout_min, served)
+        jobs.append(("the capture service", service, "train.resources.timeout_min (+ eval's, which it serves)"))
+    out = []
+    for job, minutes, key in jobs:
+        fits = minutes <= most
+        out.append(
+            Finding(
+                "time limits",
+                fits,
+                f"{job} asks {minutes} min; the partition allows {most} (cluster.max_time_min={most})",
+                ""
+                if fits
+                else f"lower {key} to {most} or less: a training with stored states (train.states=offline) longer "
+                "than one allocation resumes from its checkpoint when Slurm requeues it at its limit; a streamed one "
+                "cannot yet (docs/streaming.md)",
+            )
+        )
     return out
 
 

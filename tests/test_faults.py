@@ -85,6 +85,27 @@ def test_a_request_no_node_meets_is_refused_by_the_dry_run(tiny_config, tmp_path
     assert not (tmp_path / "run" / "jobs").exists()
 
 
+def test_a_job_longer_than_the_partition_allows_is_refused_by_the_dry_run(tiny_config, tmp_path):
+    """Where the cluster says the partition's longest job (cluster.max_time_min, Slurm's MaxTime), a job asking more
+    is refused before any job, naming both keys; sbatch would refuse it or leave it PENDING on PartitionTimeLimit.
+    kimi_eagle3 on a 24-hour partition: its training (2,880 min) and its capture service's job (train + eval,
+    3,120 min) are named."""
+    from orchestrator.preflight import time_limit_findings
+
+    cfg = tiny_config("cluster=slurm", "cluster.max_time_min=60", "train.resources.timeout_min=120", "dry_run=true")
+    with pytest.raises(PreflightError) as refused:
+        run_pipeline(cfg, tmp_path / "run")
+    assert "[time limits] train asks 120 min; the partition allows 60 (cluster.max_time_min=60)" in str(refused.value)
+    assert "lower train.resources.timeout_min to 60 or less" in str(refused.value)
+    assert not (tmp_path / "run" / "jobs").exists()
+    kimi = tiny_config("cluster=example_site", "cluster.max_time_min=1440", experiment="kimi_eagle3", fast=False)
+    over = [f.message for f in time_limit_findings(kimi) if not f.ok]
+    assert over == [
+        "train asks 2880 min; the partition allows 1440 (cluster.max_time_min=1440)",
+        "the capture service asks 3120 min; the partition allows 1440 (cluster.max_time_min=1440)",
+    ], over
+
+
 def test_kimi_requests_fit_a_dgx_node(tiny_config):
     """kimi_eagle3 on the example site (a DGX H100 node: 224 threads, 8 GPUs): every stage fits one node. Its
     training asked 8 tasks x 32 CPUs = 256 before, which sbatch refuses there."""
