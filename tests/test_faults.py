@@ -78,11 +78,17 @@ def test_a_request_no_node_meets_is_refused_by_the_dry_run(tiny_config, tmp_path
     """Where the cluster says what one node has, a stage asking more is refused before any job: sbatch would
     reject it only after the chain's earlier stages were queued."""
     cfg = tiny_config("cluster=slurm", "cluster.cpus_per_node=2", "train.resources.cpus_per_task=64", "dry_run=true")
+    refused = _refused_before_any_job(cfg, tmp_path)
+    assert "[node limits] train asks 64 CPUs per node; a node has 2 (cluster.cpus_per_node)" in refused
+    assert "lower train.resources.cpus_per_task" in refused
+
+
+def _refused_before_any_job(cfg, tmp_path) -> str:
+    """The dry run's refusal of `cfg`, once no job folder was made."""
     with pytest.raises(PreflightError) as refused:
         run_pipeline(cfg, tmp_path / "run")
-    assert "[node limits] train asks 64 CPUs per node; a node has 2 (cluster.cpus_per_node)" in str(refused.value)
-    assert "lower train.resources.cpus_per_task" in str(refused.value)
     assert not (tmp_path / "run" / "jobs").exists()
+    return str(refused.value)
 
 
 def test_a_job_longer_than_the_partition_allows_is_refused_by_the_dry_run(tiny_config, tmp_path):
@@ -93,11 +99,9 @@ def test_a_job_longer_than_the_partition_allows_is_refused_by_the_dry_run(tiny_c
     from orchestrator.preflight import time_limit_findings
 
     cfg = tiny_config("cluster=slurm", "cluster.max_time_min=60", "train.resources.timeout_min=120", "dry_run=true")
-    with pytest.raises(PreflightError) as refused:
-        run_pipeline(cfg, tmp_path / "run")
-    assert "[time limits] train asks 120 min; the partition allows 60 (cluster.max_time_min=60)" in str(refused.value)
-    assert "lower train.resources.timeout_min to 60 or less" in str(refused.value)
-    assert not (tmp_path / "run" / "jobs").exists()
+    refused = _refused_before_any_job(cfg, tmp_path)
+    assert "[time limits] train asks 120 min; the partition allows 60 (cluster.max_time_min=60)" in refused
+    assert "lower train.resources.timeout_min to 60 or less" in refused
     kimi = tiny_config("cluster=example_site", "cluster.max_time_min=1440", experiment="kimi_eagle3", fast=False)
     over = [f.message for f in time_limit_findings(kimi) if not f.ok]
     assert over == [
