@@ -130,15 +130,14 @@ def target_shares(model, missing: list, target_hidden: int, params: dict) -> dic
     (`maybe_share_target_embed`, vllm/v1/worker/gpu/spec_decode/eagle/utils.py); one with no `lm_head` takes the
     target's (`_maybe_share_lm_head`, and V2's `_should_share`). {parameter: what is shared and by which runners}."""
     shared = {}
-    if not getattr(model, "has_own_embed_tokens", True):
+    if not getattr(model, "has_own_embed_tokens", True):  # V1 shares it only at the target's width: else missing
         for name in (k for k in missing if k.endswith("embed_tokens.weight")):
-            same = params[name].shape[-1] == target_hidden
-            runners = "v1 and mrv2" if same else "mrv2 only (V1 keeps it: its width differs from the target's)"
-            shared[name] = f"the target's embedding ({runners})"
+            if params[name].shape[-1] == target_hidden:
+                shared[name] = "the target's embedding (v1 and mrv2)"
     if not getattr(model, "has_own_lm_head", True):
         for name in (k for k in missing if k.split(".")[0] == "lm_head"):
             shared[name] = "the target's lm_head (v1 and mrv2)"
-    return {k: v for k, v in shared.items() if "only" not in v}
+    return shared
 
 
 def runner_ids(vllm_config) -> dict:
