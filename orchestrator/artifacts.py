@@ -21,7 +21,7 @@ FORMAT_VERSION = 1
 # depends on is listed in STAGE_CODE, and its digest as of the version is recorded in code_versions.json: a change to
 # that code without a bump (or a recorded reason why its outputs cannot change) fails tests/test_code_versions.py,
 # so a cached result is never read for code that would compute another (scripts/record_code_versions.py).
-CODE_VERSION = {"extract": 4, "train": 4, "eval": 5, "serve": 6}
+CODE_VERSION = {"extract": 4, "train": 4, "eval": 5, "serve": 7}
 # The modules (relative to the package, globs allowed) whose code decides each stage's cached output.
 STAGE_CODE = {
     "extract": ("stages/extract.py", "capture.py", "regenerate.py", "data.py", "states/*.py", "engines/hf/*.py",
@@ -31,7 +31,8 @@ STAGE_CODE = {
     "eval": ("stages/eval.py", "draft/*.py", "capture.py", "engines/hf/*.py", "engines/vllm/capture.py",
              "engines/vllm/side/*.py", "states/*.py", "compute.py"),
     "serve": ("stages/serve.py", "engines/client.py", "engines/reference/*.py", "engines/vllm/cli.py",
-              "engines/vllm/ids.py", "engines/sglang/*.py", "draft/export.py", "draft/served.py", "compute.py"),
+              "engines/vllm/ids.py", "engines/sglang/*.py", "engines/sglang/cpu_kernels/*.py",
+              "engines/sglang/cpu_kernels/sgl_kernel/*.py", "draft/export.py", "draft/served.py", "compute.py"),
 }  # fmt: skip
 CODE_VERSIONS_FILE = Path(__file__).with_name("code_versions.json")
 

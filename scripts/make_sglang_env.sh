@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# A separate virtual environment holding sglang, for validating launch commands on a CPU machine
-# (docs/engines.md#checking-a-launch-command-without-a-gpu)
-# and for checking the draft's rope against sglang's own rotary embedding (tests/sglang_rope_probe.py).
+# A separate virtual environment holding sglang: it serves the demo's target with and without an EAGLE-3 draft on
+# this CPU (docs/engines.md#sglang-on-a-cpu), parses launch commands without a GPU
+# (docs/engines.md#checking-a-launch-command-without-a-gpu) and checks the draft's rope against sglang's own rotary
+# embedding (tests/sglang_rope_probe.py).
 #
 #   bash scripts/make_sglang_env.sh [VENV_DIR]        # default: outputs/sglang-env
 #   export SGLANG_PYTHON=VENV_DIR/bin/python          # then: pytest -m sglang
 #
 # sglang never goes into the project's own environment: its pins (torch, transformers, flashinfer, CUDA
-# kernels) would fight ours. Here it is installed with --no-deps on top of the small set of packages that
-# `import sglang.srt.server_args` needs, so `ServerArgs.add_cli_args` + `parse_args` run without a GPU, plus the
-# few more that importing the EAGLE-3 draft model (`sglang.srt.models.llama_eagle3`) needs, so its decoder layer
-# and rotary embedding can be built on a CPU (torchvision and vllm's kernels are stood in for by the probe; see
-# tests/sglang_rope_probe.py). A GPU node serving for real needs sglang's full dependency set instead
-# (`pip install sglang==VERSION`).
+# kernels) would fight ours. Here it is installed with --no-deps on top of the packages its CPU server imports,
+# with the CPU torch pinned in the same command: sglang's own pins ask for torch 2.14.1 with CUDA (11 GB), its
+# CUDA kernel packages (sglang-kernel, flashinfer, ...) do not load on a CPU, and PyPI's torchvision is built
+# against CUDA torch. What stands in for sgl_kernel and torchvision on a CPU is the project's own
+# (orchestrator/engines/sglang/cpu_kernels/, put on the path by its launch.py only where no sgl_kernel loads).
+# A GPU node serving for real needs sglang's full dependency set instead (`pip install sglang==VERSION`).
 #
 # Environment overrides:
 #   SGLANG_VERSION   (default 0.5.23; the layer-id rules in orchestrator/layers.py are recorded per version)
@@ -45,6 +46,34 @@ BASE_PACKAGES=(
   sentencepiece==0.2.1
   compressed-tensors==0.18.0
   gguf
+  # for `sglang.launch_server` on a CPU (sglang 0.5.23's own pins where it has them)
+  tokenizers==0.23.2
+  fastapi
+  "uvicorn>=0.51"
+  uvloop
+  setproctitle
+  "prometheus-client>=0.20.0"
+  python-multipart
+  partial_json_parser
+  interegular
+  xgrammar==0.2.7
+  "llguidance>=1.7.6,<2"
+  openai==2.8.0
+  openai-harmony==0.0.4
+  tiktoken
+  einops
+  scipy
+  pydantic
+  regex
+  watchfiles
+  xxhash
+  zstandard
+  blobfile==3.0.0
+  distro
+  easydict
+  nvidia-ml-py
+  jsonschema
+  soundfile==0.13.1
 )
 
 log() { echo "[make_sglang_env] $*" >&2; }
@@ -55,7 +84,7 @@ if [[ ! -x "$VENV_DIR/bin/python" ]]; then
 fi
 PY="$VENV_DIR/bin/python"
 
-log "installing the packages sglang.srt.server_args and sglang.srt.models.llama_eagle3 import"
+log "installing the packages sglang's CPU server imports, with torch==2.13.0 (CPU) pinned"
 "$PY" -m pip install --quiet --upgrade pip
 "$PY" -m pip install --quiet "${BASE_PACKAGES[@]}"
 log "installing sglang==$SGLANG_VERSION --no-deps"
@@ -90,5 +119,24 @@ import torch
 from sglang.srt.models import llama_eagle3  # noqa: F401
 
 print(f"sglang.srt.models.llama_eagle3 imports (torch {torch.__version__})", file=sys.stderr)
+EOF
+log "importing SGLang's server, scheduler and CPU attention backend as the CPU launcher starts them"
+"$PY" - "$(cd "$(dirname "$0")/../orchestrator/engines/sglang/cpu_kernels" && pwd)/launch.py" <<'EOF'
+import importlib.util
+import sys
+
+spec = importlib.util.spec_from_file_location("launch", sys.argv[1])  # by path: its folder stays off sys.path
+launch = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(launch)
+
+if not launch._loads("sgl_kernel"):  # what launch.main does where no sgl_kernel build loads
+    launch.use_stand_in()
+import sgl_kernel
+import sglang.srt.entrypoints.http_server  # noqa: F401
+import sglang.srt.layers.attention.intel_amx_backend  # noqa: F401
+import sglang.srt.managers.scheduler  # noqa: F401
+
+where = "the project's stand-in" if getattr(sgl_kernel, "STAND_IN", False) else sgl_kernel.__file__
+print(f"sglang's server imports, sgl_kernel from {where}", file=sys.stderr)
 EOF
 log "done: export SGLANG_PYTHON=$(cd "$VENV_DIR" && pwd)/bin/python"

@@ -69,8 +69,12 @@ SEPARATE = {
     "llvmlite": "orchestrator/engines/vllm/side/capture.py, in vLLM's environment, where numba brings it",
     "speculators": "scripts/speculators_export.py, in its own environment (scripts/make_speculators_env.sh)",
     "sglang": (
-        "tests/sglang_rope_probe.py, run by SGLANG_PYTHON (scripts/make_sglang_env.sh), never by the project's venv"
+        "tests/sglang_rope_probe.py and orchestrator/engines/sglang/cpu_kernels/launch.py, run by SGLANG_PYTHON "
+        "(scripts/make_sglang_env.sh), never by the project's venv"
     ),
+    # the project's own stand-ins there, put on SGLang's path by cpu_kernels/launch.py where no real one loads
+    "sgl_kernel": "orchestrator/engines/sglang/cpu_kernels/sgl_kernel/, in SGLang's environment only",
+    "torchvision": "orchestrator/engines/sglang/cpu_kernels/no_torchvision/, in SGLang's environment only",
 }
 
 

@@ -53,12 +53,20 @@ def assert_golden(name: str, data: Any) -> None:
     assert_matches_golden(f"{name}.json", json.dumps(data, indent=2) + "\n")
 
 
+# Where the checkout lies differs between machines; the goldens name the CPU launcher by its place in the repository.
+LAUNCHER = "<repo>/orchestrator/engines/sglang/cpu_kernels/launch.py"
+
+
 def launch_commands(experiment: str) -> dict[str, list[str]]:
     overrides, (target, draft) = EXPERIMENTS[experiment]
     cfg = make_config(overrides)
+
+    def relative(argv):
+        return [LAUNCHER if a == str(sglang.CPU_LAUNCHER) else a for a in argv]
+
     return {
-        "speculative": sglang.launch_command(cfg, target, draft, PORT),
-        "baseline": sglang.launch_command(cfg, target, None, PORT),
+        "speculative": relative(sglang.launch_command(cfg, target, draft, PORT)),
+        "baseline": relative(sglang.launch_command(cfg, target, None, PORT)),
     }
 
 
@@ -115,7 +123,14 @@ def test_launch_command_invariants():
     for experiment in EXPERIMENTS:
         commands = launch_commands(experiment)
         spec, base = commands["speculative"], commands["baseline"]
-        assert spec[:3] == [SERVING_PYTHON, "-m", "sglang.launch_server"]
+        # on GPUs SGLang's own entry point; without, the launcher that brings the CPU stand-in where it is needed
+        gpus = make_config(EXPERIMENTS[experiment][0]).serve.resources.gpus_per_node
+        assert (
+            spec[:3] == [SERVING_PYTHON, "-m", "sglang.launch_server"]
+            if gpus
+            else spec[:2] == [SERVING_PYTHON, LAUNCHER]
+        )
+        assert ("--device" in spec) == (not gpus) and ("--device" in base) == (not gpus)
         assert spec[spec.index("--speculative-algorithm") + 1] == "EAGLE3"
         for flag in ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens"):
             assert flag in spec
@@ -145,7 +160,10 @@ def test_optional_flags_follow_the_config():
     argv = sglang.launch_command(cfg, "/t", "/d", 31000, host="0.0.0.0")
     assert argv[argv.index("--cuda-graph-max-bs-decode") + 1] == "16"
     assert argv[argv.index("--mem-fraction-static") + 1] == "0.7"
-    assert "--dtype" not in argv
+    assert argv[argv.index("--dtype") + 1] == "float32"  # serve.precision=auto without GPUs, as eval ran the draft
+    pinned = make_config(["+experiment=tiny_eagle3", "serve=sglang", "serve.fallback=null", "serve.dtype=bfloat16"])
+    bf16 = sglang.launch_command(pinned, "/t", "/d", 31000)
+    assert bf16[bf16.index("--dtype") + 1] == "bfloat16"
     assert argv[-6:] == ["--log-level", "debug", "--host", "0.0.0.0", "--port", "31000"]
 
 
@@ -358,7 +376,7 @@ def test_golden_commands_parse_with_sglang(experiment, sglang_python):
     python = sglang_python
     commands = json.loads((GOLDEN_DIR / f"sglang_launch_{experiment}.json").read_text())
     for argv in commands.values():
-        sglang.validate_with_sglang(python, argv)
+        sglang.validate_with_sglang(python, [str(sglang.CPU_LAUNCHER) if a == LAUNCHER else a for a in argv])
 
 
 @pytest.mark.sglang

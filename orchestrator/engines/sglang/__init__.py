@@ -1,6 +1,7 @@
 """SGLang (sglang 0.5.23; docs/engines.md#sglang): serves the target, with or without an EAGLE-3 draft, from its
-own environment (`serve.python`, scripts/make_sglang_env.sh). Its command line and draft rules are
-orchestrator/engines/sglang/cli.py's; stock SGLang returns only the last layer's state, so it captures nothing here."""
+own environment (`serve.python`, scripts/make_sglang_env.sh), on GPUs or, through cpu_kernels/launch.py, on a CPU.
+Its command lines and draft rules are orchestrator/engines/sglang/cli.py's. Its capture mode (`cli.capture_command`)
+is tested against HF's states but is not an extract engine yet."""
 
 from __future__ import annotations
 
@@ -84,6 +85,9 @@ class SGLang(Serving):
 
     def launch_command(self, cfg, target, draft, port, compute):
         return cli.launch_command(cfg, str(target), str(draft) if draft else None, port)
+
+    def server_env(self, cfg):
+        return cli.server_env(cfg)
 
     def check_command(self, cfg, command):
         if not cli.sglang_available(cfg.serve.python):

@@ -1,22 +1,32 @@
 """SGLang's command line: the only module that knows it (sglang 0.5.23; docs/engines.md#sglang-launch-command).
 
     launch_command            the `python -m sglang.launch_server ...` argv, speculative or baseline
+    capture_command           the argv of SGLang's capture mode: the target alone, returning the states at given ids
+    server_env                the environment SGLang's CPU engine needs
     validate_with_sglang      parses an argv with sglang's own argparse parser, in the serving environment
 
 sglang lives in its own environment (`serve.python`, built by scripts/make_sglang_env.sh), never in the
-project's, so everything that needs sglang's code runs there as a subprocess.
+project's, so everything that needs sglang's code runs there as a subprocess. Without GPUs (serve.resources.
+gpus_per_node=0) SGLang is started through cpu_kernels/launch.py, which runs `sglang.launch_server` as it is where
+an sgl_kernel build loads, and otherwise with the project's PyTorch stand-in for it (docs/engines.md#sglang-on-a-cpu).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import textwrap
+from pathlib import Path
 
+from orchestrator.compute import resolve_precision
 from orchestrator.config.schema import ConfigError, RootConfig, check_speculative_args
 from orchestrator.draft.guard import ServingRefused
 
 MODULE = "sglang.launch_server"
 ALGORITHM = "EAGLE3"
+CPU_LAUNCHER = Path(__file__).with_name("cpu_kernels") / "launch.py"
+# SGLang's CPU engine: one batch at a time (its overlap scheduler is a GPU feature), on the CPU device.
+CPU_FLAGS = ["--device", "cpu", "--disable-overlap-schedule"]
 
 # Flags `launch_command` sets from a serve.* key; setting them again in extra_args would silently win
 # (argparse keeps the last value), so they are refused there with the key to use instead.
@@ -42,7 +52,9 @@ def launch_command(
     s = cfg.serve
     check_speculative_args(s)
     check_extra_args(s.extra_args)
-    argv = [s.python, "-m", MODULE, "--model-path", str(target_path)]
+    gpus = s.resources.gpus_per_node
+    start = [s.python, "-m", MODULE] if gpus else [s.python, str(CPU_LAUNCHER)]
+    argv = [*start, "--model-path", str(target_path)]
     if draft_dir is not None:
         # All three of steps/topk/draft-tokens or none: a partial set crashes at startup, and none lets
         # SGLang pick per-architecture defaults that the config would not record.
@@ -64,13 +76,42 @@ def launch_command(
         argv.append("--trust-remote-code")
     if s.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", str(s.mem_fraction_static)]
-    if s.dtype is not None:
-        argv += ["--dtype", s.dtype]
+    argv += ["--dtype", s.dtype or resolve_precision(s.precision, gpus)]
+    if not gpus:
+        argv += [flag for flag in CPU_FLAGS if flag not in s.extra_args]
     if s.cuda_graph_max_bs_decode is not None:
         argv += ["--cuda-graph-max-bs-decode", str(s.cuda_graph_max_bs_decode)]
     argv += list(s.extra_args)
     argv += ["--host", host, "--port", str(port)]
     return argv
+
+
+def capture_command(cfg: RootConfig, target_path: str, ids: list[int], port: int, host: str = "127.0.0.1") -> list[str]:
+    """SGLang's capture mode: no draft, `--enable-return-aux-hidden-states` with EAGLE-3's id list
+    (`--return-aux-hidden-state-layer-ids`, SGLang's convention; sglang/srt/arg_groups/validation_hook.py). A
+    /generate request with `"return_hidden_states": true` then answers in `meta_info["hidden_states"]` the prompt's
+    states ([prompt, len(ids) * hidden], concatenated in id order), then one vector per decoded token but the last."""
+    argv = launch_command(cfg, target_path, None, port, host)
+    at = argv.index("--host")
+    flags = ["--enable-return-aux-hidden-states", "--speculative-algorithm", ALGORITHM]
+    return [*argv[:at], *flags, "--return-aux-hidden-state-layer-ids", *map(str, ids), *argv[at:]]
+
+
+def server_env(cfg: RootConfig) -> dict[str, str]:
+    """Without GPUs: SGLang's CPU engine (`SGLANG_USE_CPU_ENGINE=1`, which `--device cpu` expects), the user's own
+    setting kept."""
+    if cfg.serve.resources.gpus_per_node:
+        return {}
+    return {"SGLANG_USE_CPU_ENGINE": os.environ.get("SGLANG_USE_CPU_ENGINE", "1")}
+
+
+def module_args(argv: list[str]) -> list[str]:
+    """The arguments `sglang.launch_server` receives from a `launch_command` argv, either form."""
+    if argv[1:3] == ["-m", MODULE]:
+        return argv[3:]
+    if len(argv) > 1 and argv[1] == str(CPU_LAUNCHER):
+        return argv[2:]
+    raise ValueError(f"expected [python, '-m', '{MODULE}', ...] or [python, '{CPU_LAUNCHER}', ...], got {argv[:3]}")
 
 
 def check_extra_args(extra_args: list[str]) -> None:
@@ -122,11 +163,9 @@ def validate_with_sglang(python: str, argv: list[str], timeout: float = 120) -> 
     Catches unknown, ambiguous and mistyped flags and bad choices without a GPU. Raises ServingRefused with
     sglang's error when the parser rejects the command, or when `python` cannot import sglang.
     """
-    if argv[1:3] != ["-m", MODULE]:
-        raise ValueError(f"expected an argv of the form [python, '-m', '{MODULE}', ...], got {argv[:3]}")
     try:
         done = subprocess.run(
-            [python, "-c", parser_check_script(), *argv[3:]], capture_output=True, text=True, timeout=timeout
+            [python, "-c", parser_check_script(), *module_args(argv)], capture_output=True, text=True, timeout=timeout
         )
     except FileNotFoundError:
         raise ServingRefused(
