@@ -29,6 +29,7 @@ LONGEST_FIRST = (
     "test_distributed.py",
     "test_pipeline.py",
     "test_vllm_capture.py",
+    "test_sglang_serves.py",
     "test_faults.py",
 )
 

@@ -422,6 +422,14 @@ def test_two_ranks_read_their_shares_of_one_stream(both, tmp_path):
     assert result["train"]["val_loss"] == pytest.approx(one["val_loss"], rel=1e-3)
     for k in range(3):
         assert result["train"][f"val_acc_{k}"] == pytest.approx(one[f"val_acc_{k}"], abs=0.01)
+    # the weights themselves: the one-rank streamed draft's, up to the order of the gradients' sum, and not that draft
+    # again (another rank's share of a step, or another step's sequences, would move them far past that rounding)
+    w1 = load_file(str(Path(one["draft_dir"]) / "model.safetensors"))
+    w2 = load_file(str(Path(result["train"]["draft_dir"]) / "model.safetensors"))
+    assert w1.keys() == w2.keys()
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+    assert any(not torch.equal(w1[name], w2[name]) for name in w1), "not trained by two ranks"
     logs = [p.read_text(errors="replace") for p in (tmp_path / "run" / "jobs").glob("*_1_log.err")]
     assert any("train (rank 1/2)" in log for log in logs), "rank 1 trained in a process of its own"
 
