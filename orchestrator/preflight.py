@@ -273,13 +273,66 @@ def node_limit_findings(cfg: RootConfig) -> list[Finding]:
     return out + time_limit_findings(cfg)
 
 
+def slurm_minutes(text: str) -> int | None:
+    """Whole minutes of a Slurm time limit as `sinfo -o %l` prints it, in any of Slurm's formats (minutes,
+    minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds; sbatch(1));
+    None for `infinite` / `UNLIMITED` / `n/a`. ValueError for anything else."""
+    text = text.strip()
+    if text.lower() in ("infinite", "unlimited", "n/a"):
+        return None
+    days, dash, clock = text.rpartition("-")
+    try:
+        parts = [int(x) for x in clock.split(":")]
+        day_count = int(days) if dash else 0
+    except ValueError:
+        raise ValueError(f"not a Slurm time limit: {text!r}") from None
+    if not 1 <= len(parts) <= 3:
+        raise ValueError(f"not a Slurm time limit: {text!r}")
+    if dash:  # days-hours[:minutes[:seconds]]
+        hours, minutes = parts[0], parts[1] if len(parts) > 1 else 0
+    elif len(parts) == 3:  # hours:minutes:seconds
+        hours, minutes = parts[0], parts[1]
+    else:  # minutes[:seconds]
+        hours, minutes = 0, parts[0]
+    return (day_count * 24 + hours) * 60 + minutes
+
+
+def partition_max_time(partition: str | None) -> tuple[int | None, str] | None:
+    """The partition's longest job in minutes as this Slurm cluster says it (`sinfo -h -o "%P %l"`; the default
+    partition, marked `*`, where `partition` is None), and where that came from; None where sinfo is not here or
+    does not answer. (None, ...) for a partition without a limit."""
+    import shutil
+    import subprocess
+
+    if shutil.which("sinfo") is None:
+        return None
+    try:
+        done = subprocess.run(["sinfo", "-h", "-o", "%P %l"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    for line in done.stdout.splitlines():
+        name, _, limit = line.strip().partition(" ")
+        default = name.endswith("*")
+        name = name.rstrip("*")
+        if name == partition or (partition is None and default):
+            return slurm_minutes(limit), f"sinfo's MaxTime of partition {name}"
+    return None
+
+
 def time_limit_findings(cfg: RootConfig) -> list[Finding]:
-    """Each job's time limit against the partition's longest (`cluster.max_time_min`, where set): a stage's
-    `resources.timeout_min`, and the capture service's job (a streamed training's on Slurm: as long as the training
-    and its eval may run, `pipeline.submit_stream_service`). sbatch refuses such a job, or it stays PENDING on
-    PartitionTimeLimit."""
-    most = cfg.cluster.max_time_min
-    if most is None or cfg.cluster.kind != "slurm":
+    """Each job's time limit against the partition's longest: `cluster.max_time_min` where set, else on a Slurm
+    cluster what `sinfo` says of `cluster.partition` (or the default one). A stage's `resources.timeout_min`, and the
+    capture service's job (a streamed training's on Slurm: as long as the training and its eval may run,
+    `pipeline.submit_stream_service`). sbatch refuses such a job, or it stays PENDING on PartitionTimeLimit."""
+    if cfg.cluster.kind != "slurm":
+        return []
+    most, source = cfg.cluster.max_time_min, f"cluster.max_time_min={cfg.cluster.max_time_min}"
+    if most is None:
+        most, source = partition_max_time(cfg.cluster.partition) or (None, "")
+        source = f"{source}; cluster.max_time_min sets it"
+    if most is None:
         return []
     jobs = [(s, getattr(cfg, s).resources.timeout_min, f"{s}.resources.timeout_min") for s in cfg.stages]
     if cfg.train.states == "stream" and "train" in cfg.stages and cfg.train.stream.join is None:
@@ -293,7 +346,7 @@ def time_limit_findings(cfg: RootConfig) -> list[Finding]:
             Finding(
                 "time limits",
                 fits,
-                f"{job} asks {minutes} min; the partition allows {most} (cluster.max_time_min={most})",
+                f"{job} asks {minutes} min; the partition allows {most} ({source})",
                 ""
                 if fits
                 else f"lower {key} to {most} or less: a training with stored states (train.states=offline) longer "

@@ -110,6 +110,21 @@ def test_a_job_longer_than_the_partition_allows_is_refused_by_the_dry_run(tiny_c
     ], over
 
 
+@pytest.mark.parametrize(
+    ("text", "minutes"),
+    [("60", 60), ("30:00", 30), ("1:00:00", 60), ("2-00:00:00", 2880), ("1-12", 2160), ("1-12:30", 2190),
+     ("infinite", None), ("UNLIMITED", None)],
+)  # fmt: skip
+def test_slurms_time_formats(text, minutes):
+    """Every format of `sinfo -o %l` (sbatch(1)), read where cluster.max_time_min is not set
+    (tests/slurm/test_partition_limits.py reads a real partition's)."""
+    from orchestrator.preflight import slurm_minutes
+
+    assert slurm_minutes(text) == minutes
+    with pytest.raises(ValueError, match="not a Slurm time limit"):
+        slurm_minutes("1:2:3:4")
+
+
 def test_kimi_requests_fit_a_dgx_node(tiny_config):
     """kimi_eagle3 on the example site (a DGX H100 node: 224 threads, 8 GPUs): every stage fits one node. Its
     training asked 8 tasks x 32 CPUs = 256 before, which sbatch refuses there."""

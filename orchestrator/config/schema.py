@@ -362,8 +362,9 @@ class ClusterConfig:
     cpus_per_node: Optional[int] = MISSING
     gpus_per_node: Optional[int] = MISSING
     mem_gb_per_node: Optional[float] = MISSING
-    # The partition's longest job in minutes (Slurm's MaxTime); null: not known. A dry run refuses a job that asks
-    # more, which sbatch would reject or leave PENDING on PartitionTimeLimit.
+    # The partition's longest job in minutes (Slurm's MaxTime); null: what `sinfo` says of the partition, where a
+    # dry run runs on a Slurm cluster. A dry run refuses a job that asks more, which sbatch would reject or leave
+    # PENDING on PartitionTimeLimit.
     max_time_min: Optional[int] = MISSING
 
 

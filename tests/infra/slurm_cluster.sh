@@ -340,6 +340,8 @@ $gres_types
 $overrides
 NodeName=$host NodeAddr=127.0.0.1 NodeHostname=$host $node_hw RealMemory=$mem$gres_line State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+# a second partition with a time limit, for the dry run that reads it from sinfo (tests/slurm/test_partition_limits.py)
+PartitionName=short Nodes=ALL MaxTime=60 State=UP
 EOF
   mv "$ETC/slurm.conf.tmp" "$SLURM_CONF_FILE"
 
