@@ -27,7 +27,14 @@ def _fast_outputs(fast_cache, tmp_path: Path) -> Path:
     )
 
 
-def test_sglang_serves_the_draft_on_this_cpu_and_its_counts_agree_with_eval(sglang_python, fast_cache, tiny_config,
+@pytest.fixture(scope="module")
+def served_outputs(fast_cache, tmp_path_factory) -> Path:
+    """One outputs folder for the two serving tests: the second finds the baseline server's measurement the first
+    made (the serve stage caches it by what decides it), so SGLang starts three times, not four (40-55 s each here)."""
+    return _fast_outputs(fast_cache, tmp_path_factory.mktemp("sglang_served"))
+
+
+def test_sglang_serves_the_draft_on_this_cpu_and_its_counts_agree_with_eval(sglang_python, served_outputs, tiny_config,
                                                                            tmp_path, monkeypatch):  # fmt: skip
     """The FAST draft served by SGLang (baseline and EAGLE-3 servers, its /generate API) on the CPU: the accept length
     SGLang counts (`spec_verify_ct` per response) within 10% of eval's expectation on the same prompts, greedy
@@ -36,7 +43,7 @@ def test_sglang_serves_the_draft_on_this_cpu_and_its_counts_agree_with_eval(sgla
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("SGLANG_PYTHON", sglang_python)
-    outputs = _fast_outputs(fast_cache, tmp_path)
+    outputs = served_outputs
     cfg = tiny_config(
         "cluster=debug", "serve=sglang", "serve.fallback=null", f"outputs_dir={outputs}", "serve.repeats=1"
     )
@@ -103,14 +110,14 @@ def test_sglangs_captured_states_equal_hfs(sglang_python, fast_cache, tiny_confi
 
 
 def test_the_seeds_mismatch_collapses_in_sglangs_own_counts_and_the_guard_refuses_it(
-    sglang_python, fast_cache, tiny_config, tmp_path, monkeypatch
+    sglang_python, served_outputs, tiny_config, tmp_path, monkeypatch
 ):
     """The FAST draft (trained on [1, 4, 6]) handed to SGLang with a config naming [-1, 1, 4] (every slot another
     layer's state, the seed's shift run backwards; SGLang's id -1 is the embedding): with the guard off SGLang serves
     it and its own counters show the accept length collapse against the draft's on the states it was trained on;
     with the guard on the run is refused before any job."""
     monkeypatch.setenv("SGLANG_PYTHON", sglang_python)
-    outputs = _fast_outputs(fast_cache, tmp_path)
+    outputs = served_outputs
     common = ("cluster=debug", "serve=sglang", "serve.fallback=null", f"outputs_dir={outputs}", "serve.repeats=1")
     with pytest.raises(PreflightError, match=r"aux_layers|serve\.layers"):
         run_pipeline(tiny_config(*common, "serve.layers=[-1,1,4]"), tmp_path / "guarded")
