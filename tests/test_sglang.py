@@ -167,6 +167,17 @@ def test_optional_flags_follow_the_config():
     assert argv[-6:] == ["--log-level", "debug", "--host", "0.0.0.0", "--port", "31000"]
 
 
+def test_a_users_own_device_flag_replaces_the_cpu_default_whole():
+    """Without GPUs the command adds `--device cpu`; a user's `--device` (either spelling) replaces it, value and all,
+    and no stray `cpu` is left for SGLang's parser to refuse."""
+    for extra in ("[--device,xpu]", "['--device=xpu']"):
+        cfg = make_config(
+            ["+experiment=tiny_eagle3", "serve=sglang", "serve.fallback=null", f"serve.extra_args={extra}"]
+        )
+        argv = sglang.launch_command(cfg, "/t", None, PORT)
+        assert "cpu" not in argv and argv.count("--disable-overlap-schedule") == 1, argv
+
+
 def test_kimi_draft_config_matches_golden():
     """The Kimi draft's config.json, exported from Kimi-K2.5's own config.json (tests/data/targets): its YaRN rope
     (beta_fast 32) is the one the published Kimi-K2.5 EAGLE-3 draft trained by SpecForge carries."""

@@ -26,7 +26,7 @@ MODULE = "sglang.launch_server"
 ALGORITHM = "EAGLE3"
 CPU_LAUNCHER = Path(__file__).with_name("cpu_kernels") / "launch.py"
 # SGLang's CPU engine: one batch at a time (its overlap scheduler is a GPU feature), on the CPU device.
-CPU_FLAGS = ["--device", "cpu", "--disable-overlap-schedule"]
+CPU_FLAGS = [["--device", "cpu"], ["--disable-overlap-schedule"]]
 
 # Flags `launch_command` sets from a serve.* key; setting them again in extra_args would silently win
 # (argparse keeps the last value), so they are refused there with the key to use instead.
@@ -78,7 +78,8 @@ def launch_command(
         argv += ["--mem-fraction-static", str(s.mem_fraction_static)]
     argv += ["--dtype", s.dtype or resolve_precision(s.precision, gpus)]
     if not gpus:
-        argv += [flag for flag in CPU_FLAGS if flag not in s.extra_args]
+        given = {a.split("=", 1)[0] for a in s.extra_args}  # the user's own setting of a flag wins, value and all
+        argv += [a for flag in CPU_FLAGS if flag[0] not in given for a in flag]
     if s.cuda_graph_max_bs_decode is not None:
         argv += ["--cuda-graph-max-bs-decode", str(s.cuda_graph_max_bs_decode)]
     argv += list(s.extra_args)
