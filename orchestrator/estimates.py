@@ -5,6 +5,7 @@ the data files' own count of turns."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from orchestrator.config import RootConfig, captured_layers
@@ -137,3 +138,48 @@ def stream_links(cfg: RootConfig, cost: dict[str, Any]) -> list[tuple[str, float
         links.append((f"the service node's network to the trainers' (Mooncake, {st.mooncake.protocol})", flow))
         links.append((f"into each of {nodes} trainer node(s)", flow / nodes))
     return links
+
+
+def train_time(cfg: RootConfig, most: int | None) -> dict[str, Any] | None:
+    """The training on paper where its rate is estimated (`train.stream.train_samples_per_s` a training GPU, and
+    with train.states=stream the capture service's `capture_samples_per_s` a capture node at the stream's share of
+    it): samples, steps, tokens at most (`data.max_seq_len` a sample) and hours, the slower side setting the pace;
+    split into allocations of the partition's longest job (`most` minutes, None: one), each resuming where the last
+    stopped; and the GPU-hours of the trainers and the service together. None where no rate is set."""
+    t, st = cfg.train, cfg.train.stream
+    if st.train_samples_per_s is None:
+        return None
+    per_epoch = math.ceil(round(cfg.data.max_train_conversations * sequences_per_conversation(cfg)) / t.batch_size)
+    steps = t.max_steps or t.epochs * per_epoch
+    trainers = t.resources.nodes * max(t.resources.gpus_per_node, 1)
+    rate, paced_by = st.train_samples_per_s * trainers, "the trainers (train.stream.train_samples_per_s)"
+    gpus = t.resources.nodes * t.resources.gpus_per_node
+    if t.states == "stream" and st.join is None:
+        gpus += cfg.extract.resources.nodes * cfg.extract.resources.gpus_per_node
+        if st.capture_samples_per_s is not None:
+            ratio, _ = stream_capture_ratio(cfg)
+            served = st.capture_samples_per_s * ratio * cfg.extract.resources.nodes
+            if served < rate:
+                rate, paced_by = served, "the capture service (train.stream.capture_samples_per_s x the stream's share)"
+    hours = steps * t.batch_size / rate / 3600
+    count = 1 if most is None else max(1, math.ceil(hours * 60 / most))
+    per = math.ceil(steps / count)
+    spans = [(i * per, min(steps, (i + 1) * per)) for i in range(count)]
+    return {
+        "steps": steps,
+        "samples": steps * t.batch_size,
+        "tokens": steps * t.batch_size * cfg.data.max_seq_len,
+        "samples_per_s": rate,
+        "paced_by": paced_by,
+        "hours": hours,
+        "gpu_hours": hours * gpus,
+        "allocations": [
+            {
+                "steps": span,
+                "tokens": (span[1] - span[0]) * t.batch_size * cfg.data.max_seq_len,
+                "hours": (span[1] - span[0]) * t.batch_size / rate / 3600,
+            }
+            for span in spans
+        ],  # fmt: skip
+        "max_time_min": most,
+    }

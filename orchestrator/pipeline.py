@@ -436,6 +436,28 @@ def print_stream_cost(st: dict[str, Any], resources: dict[str, Any]) -> None:
         )
 
 
+def print_train_time(cfg: RootConfig) -> None:
+    """The training's time on paper (`estimates.train_time`), in allocations of the partition's longest job."""
+    from orchestrator.estimates import train_time
+
+    most = runner.site_max_time(cfg.cluster)[0] if cfg.cluster.kind == "slurm" else None
+    tt = train_time(cfg, most)
+    if tt is None:
+        print("[train time] not priced (set train.stream.train_samples_per_s, a training GPU's samples/s)")
+        return
+    print(
+        f"[train time] {tt['steps']:,} steps, {tt['samples']:,} samples, at most {tt['tokens'] / 1e9:,.2f} B tokens, "
+        f"at {tt['samples_per_s']:,.2f} samples/s, paced by {tt['paced_by']}: {tt['hours']:,.1f} h, "
+        f"{tt['gpu_hours']:,.0f} GPU-hours (the trainers and the capture service)"
+    )
+    if len(tt["allocations"]) > 1:
+        print(f"[train time] {len(tt['allocations'])} allocations of at most {most} min, each resuming where the "
+              "last stopped:")  # fmt: skip
+        for i, a in enumerate(tt["allocations"], 1):
+            print(f"  {i}: steps {a['steps'][0]:,}..{a['steps'][1]:,}, at most {a['tokens'] / 1e9:,.2f} B tokens, "
+                  f"{a['hours']:,.1f} h")  # fmt: skip
+
+
 def print_mask_preview(cfg: RootConfig, target: Path) -> None:
     """One training conversation rendered as extraction will render it: the fraction of its tokens the loss
     covers and the text it covers. A template whose mask is empty shows here, before any job."""
@@ -510,6 +532,10 @@ def run_pipeline(
     for finding in memory:
         print(f"[memory] {finding.message}")
     if cfg.dry_run:
+        for finding in preflight.time_limit_findings(cfg):
+            print(f"[time limits] {finding.message}")
+        if "train" in cfg.stages:
+            print_train_time(cfg)
         print_mask_preview(cfg, Path(plan.target_dir))
         if "extract" in cfg.stages:  # what each extract task runs, checked by the engine where it can
             print_regenerate_command(cfg, plan)
@@ -607,6 +633,7 @@ def run_pipeline(
                     entry is todo[-1],
                     dependency=[dependency] if dependency else None,
                     after_start=after_start,
+                    resumes=stage in RESUMING,
                 )
                 finalizer = job if entry is todo[-1] else finalizer
                 if after_start:  # the service watches the job that will read from it
@@ -653,6 +680,11 @@ def run_pipeline(
             service.stop()
     print_summary(summary)
     return summary
+
+
+# the stages whose job resumes where it stopped when Slurm requeues it: one longer than the partition allows runs as
+# several allocations (`runner.executor`); eval and serve start over, so each must fit one (`preflight`)
+RESUMING = ("extract", "train")
 
 
 def eval_in_service(cfg: RootConfig, stages: list[str]) -> bool:
@@ -732,9 +764,9 @@ def submit_stream_service(
         cfg.extract.resources, timeout_min=max(cfg.extract.resources.timeout_min, served_min)
     )
     ex = runner.executor(
-        cfg.cluster, folder, f"{cfg.run_name}-stream", resources, 1, [dependency] if dependency else None
+        cfg.cluster, folder, f"{cfg.run_name}-stream", resources, 1, [dependency] if dependency else None, resumes=True
     )  # fmt: skip
-    service = ex.submit(stream_mod.serve_job, str(spool))
+    service = ex.submit(runner.Requeueable(), stream_mod.serve_job, str(spool))
     (spool / stream_mod.SERVICE_JOB).write_text(str(service.job_id))
     return service
 

@@ -10,6 +10,7 @@ again at stage boundaries. Each finding names its category, what is wrong and th
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from orchestrator.artifacts import MANIFEST, read_json
 from orchestrator.compute import resolve_precision
 from orchestrator.config import RootConfig, tasks_per_node
 from orchestrator.estimates import extract_storage, storage_terms
+from orchestrator.runner import partition_max_time, site_max_time, slurm_minutes  # noqa: F401 (the dry run's)
 from orchestrator.targets import quantization_of
 
 CATEGORIES = (
@@ -273,87 +275,45 @@ def node_limit_findings(cfg: RootConfig) -> list[Finding]:
     return out + time_limit_findings(cfg)
 
 
-def slurm_minutes(text: str) -> int | None:
-    """Whole minutes of a Slurm time limit as `sinfo -o %l` prints it, in any of Slurm's formats (minutes,
-    minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds; sbatch(1));
-    None for `infinite` / `UNLIMITED` / `n/a`. ValueError for anything else."""
-    text = text.strip()
-    if text.lower() in ("infinite", "unlimited", "n/a"):
-        return None
-    days, dash, clock = text.rpartition("-")
-    try:
-        parts = [int(x) for x in clock.split(":")]
-        day_count = int(days) if dash else 0
-    except ValueError:
-        raise ValueError(f"not a Slurm time limit: {text!r}") from None
-    if not 1 <= len(parts) <= 3:
-        raise ValueError(f"not a Slurm time limit: {text!r}")
-    if dash:  # days-hours[:minutes[:seconds]]
-        hours, minutes = parts[0], parts[1] if len(parts) > 1 else 0
-    elif len(parts) == 3:  # hours:minutes:seconds
-        hours, minutes = parts[0], parts[1]
-    else:  # minutes[:seconds]
-        hours, minutes = 0, parts[0]
-    return (day_count * 24 + hours) * 60 + minutes
-
-
-def partition_max_time(partition: str | None) -> tuple[int | None, str] | None:
-    """The partition's longest job in minutes as this Slurm cluster says it (`sinfo -h -o "%P %l"`; the default
-    partition, marked `*`, where `partition` is None), and where that came from; None where sinfo is not here or
-    does not answer. (None, ...) for a partition without a limit."""
-    import shutil
-    import subprocess
-
-    if shutil.which("sinfo") is None:
-        return None
-    try:
-        done = subprocess.run(["sinfo", "-h", "-o", "%P %l"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if done.returncode != 0:
-        return None
-    for line in done.stdout.splitlines():
-        name, _, limit = line.strip().partition(" ")
-        default = name.endswith("*")
-        name = name.rstrip("*")
-        if name == partition or (partition is None and default):
-            return slurm_minutes(limit), f"sinfo's MaxTime of partition {name}"
-    return None
-
-
 def time_limit_findings(cfg: RootConfig) -> list[Finding]:
-    """Each job's time limit against the partition's longest: `cluster.max_time_min` where set, else on a Slurm
-    cluster what `sinfo` says of `cluster.partition` (or the default one). A stage's `resources.timeout_min`, and the
-    capture service's job (a streamed training's on Slurm: as long as the training and its eval may run,
-    `pipeline.submit_stream_service`). sbatch refuses such a job, or it stays PENDING on PartitionTimeLimit."""
+    """Each job's time limit against the partition's longest (`runner.site_max_time`: `cluster.max_time_min`, else
+    what `sinfo` says of `cluster.partition` on a Slurm cluster). A job that resumes where it stopped (extract, train,
+    and a streamed training's capture service, as long as the training and its eval may run,
+    `pipeline.submit_stream_service`) and asks more is planned as several allocations of the partition's longest,
+    each requeued at its limit (`runner.executor`); eval and serve, which start over, must fit one: sbatch refuses
+    such a job, or it stays PENDING on PartitionTimeLimit."""
+    from orchestrator.pipeline import RESUMING
+    from orchestrator.runner import allocations
+
     if cfg.cluster.kind != "slurm":
         return []
-    most, source = cfg.cluster.max_time_min, f"cluster.max_time_min={cfg.cluster.max_time_min}"
-    if most is None:
-        most, source = partition_max_time(cfg.cluster.partition) or (None, "")
-        source = f"{source}; cluster.max_time_min sets it"
+    most, source = site_max_time(cfg.cluster)
     if most is None:
         return []
-    jobs = [(s, getattr(cfg, s).resources.timeout_min, f"{s}.resources.timeout_min") for s in cfg.stages]
+    jobs = [(s, getattr(cfg, s).resources, f"{s}.resources.timeout_min", s in RESUMING) for s in cfg.stages]
     if cfg.train.states == "stream" and "train" in cfg.stages and cfg.train.stream.join is None:
         served = cfg.train.resources.timeout_min + (cfg.eval.resources.timeout_min if "eval" in cfg.stages else 0)
-        service = max(cfg.extract.resources.timeout_min, served)
-        jobs.append(("the capture service", service, "train.resources.timeout_min (+ eval's, which it serves)"))
+        r = cfg.extract.resources
+        service = dataclasses.replace(r, timeout_min=max(r.timeout_min, served))
+        jobs.append(("the capture service", service, "train.resources.timeout_min (+ eval's, which it serves)", True))
     out = []
-    for job, minutes, key in jobs:
-        fits = minutes <= most
-        out.append(
-            Finding(
-                "time limits",
-                fits,
-                f"{job} asks {minutes} min; the partition allows {most} ({source})",
-                ""
-                if fits
-                else f"lower {key} to {most} or less: a training with stored states (train.states=offline) longer "
-                "than one allocation resumes from its checkpoint when Slurm requeues it at its limit; a streamed one "
-                "cannot yet (docs/streaming.md)",
-            )
-        )
+    for job, r, key, resumes in jobs:
+        minutes, count = r.timeout_min, allocations(r.timeout_min, most)
+        gpu_hours = minutes / 60 * r.nodes * r.gpus_per_node
+        spend = f", {gpu_hours:,.0f} GPU-hours at most" if r.gpus_per_node else ""
+        if count == 1:
+            out.append(Finding("time limits", True, f"{job} asks {minutes} min{spend}; the partition allows {most} "
+                               f"({source})"))  # fmt: skip
+        elif resumes:
+            out.append(Finding("time limits", True, (
+                f"{job} asks {minutes} min{spend}; the partition allows {most} ({source}): {count} allocations of "
+                f"{most} min, each requeued at its limit (cluster.signal_delay_s={cfg.cluster.signal_delay_s} s before "
+                f"it) and resuming where the last stopped, up to {count - 1 + cfg.cluster.spare_requeues} requeues "
+                "(cluster.spare_requeues)")))  # fmt: skip
+        else:
+            said = f"{job} asks {minutes} min; the partition allows {most} ({source})"
+            out.append(Finding("time limits", False, said, f"lower {key} to {most} or less: {job} starts over when "
+                               "requeued, so it must fit one allocation"))  # fmt: skip
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import re
 import signal
 import sys
@@ -36,10 +37,15 @@ def executor(
     tasks_per_node: int = 1,
     dependency: list[str] | None = None,
     after_start: list[str] | None = None,
+    resumes: bool = False,
 ):
     """submitit's executor for one stage job: `tasks_per_node` processes on each of `resources.nodes` nodes (one
     torch.distributed rank each, see `StageJob`). On Slurm the job starts once the `dependency` jobs have completed
-    and the `after_start` jobs have started."""
+    and the `after_start` jobs have started; it is signalled `cluster.signal_delay_s` before its time limit, and
+    requeued then (submitit) up to `cluster.spare_requeues` times. A job that `resumes` where it stopped (training
+    from its checkpoint, extraction per shard, the capture service from its consumers' floors) and asks more than the
+    partition's longest job runs as several allocations of that length (`allocations`), each requeued at its
+    limit."""
     folder = Path(folder)
     if cluster.kind == "debug":
         if tasks_per_node * resources.nodes > 1:
@@ -56,11 +62,84 @@ def executor(
             timeout_min=resources.timeout_min, tasks_per_node=tasks_per_node, gpus_per_node=resources.gpus_per_node
         )
     elif cluster.kind == "slurm":
-        ex = submitit.SlurmExecutor(folder=folder)
+        most = site_max_time(cluster)[0] if resumes else None
+        count = allocations(resources.timeout_min, most)
+        ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=count - 1 + cluster.spare_requeues)
+        if count > 1:
+            resources = dataclasses.replace(resources, timeout_min=most)
         ex.update_parameters(**slurm_parameters(cluster, name, resources, tasks_per_node, dependency, after_start))
     else:
         raise ValueError(f"cluster.kind={cluster.kind!r}: expected local, debug or slurm")
     return ex
+
+
+def slurm_minutes(text: str) -> int | None:
+    """Whole minutes of a Slurm time limit as `sinfo -o %l` prints it, in any of Slurm's formats (minutes,
+    minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds; sbatch(1));
+    None for `infinite` / `UNLIMITED` / `n/a`. ValueError for anything else."""
+    text = text.strip()
+    if text.lower() in ("infinite", "unlimited", "n/a"):
+        return None
+    days, dash, clock = text.rpartition("-")
+    try:
+        parts = [int(x) for x in clock.split(":")]
+        day_count = int(days) if dash else 0
+    except ValueError:
+        raise ValueError(f"not a Slurm time limit: {text!r}") from None
+    if not 1 <= len(parts) <= 3:
+        raise ValueError(f"not a Slurm time limit: {text!r}")
+    if dash:  # days-hours[:minutes[:seconds]]
+        hours, minutes = parts[0], parts[1] if len(parts) > 1 else 0
+    elif len(parts) == 3:  # hours:minutes:seconds
+        hours, minutes = parts[0], parts[1]
+    else:  # minutes[:seconds]
+        hours, minutes = 0, parts[0]
+    return (day_count * 24 + hours) * 60 + minutes
+
+
+def partition_max_time(partition: str | None) -> tuple[int | None, str] | None:
+    """The partition's longest job in minutes as this Slurm cluster says it (`sinfo -h -o "%P %l"`; the default
+    partition, marked `*`, where `partition` is None), and where that came from; None where sinfo is not here or
+    does not answer. (None, ...) for a partition without a limit."""
+    import shutil
+    import subprocess
+
+    if shutil.which("sinfo") is None:
+        return None
+    try:
+        done = subprocess.run(["sinfo", "-h", "-o", "%P %l"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    for line in done.stdout.splitlines():
+        name, _, limit = line.strip().partition(" ")
+        default = name.endswith("*")
+        name = name.rstrip("*")
+        if name == partition or (partition is None and default):
+            return slurm_minutes(limit), f"sinfo's MaxTime of partition {name}"
+    return None
+
+
+_SINFO: dict[str | None, tuple[int | None, str] | None] = {}
+
+
+def site_max_time(cluster: ClusterConfig) -> tuple[int | None, str]:
+    """The partition's longest job in minutes and where that came from: `cluster.max_time_min`, else on a Slurm
+    cluster what `sinfo` says of `cluster.partition` (asked once a process); (None, ...) where neither says."""
+    if cluster.max_time_min is not None:
+        return cluster.max_time_min, f"cluster.max_time_min={cluster.max_time_min}"
+    if cluster.kind != "slurm":
+        return None, "no partition limit off Slurm"
+    if cluster.partition not in _SINFO:
+        _SINFO[cluster.partition] = partition_max_time(cluster.partition)
+    most, source = _SINFO[cluster.partition] or (None, "sinfo did not answer")
+    return most, f"{source}; cluster.max_time_min sets it"
+
+
+def allocations(minutes: int, most: int | None) -> int:
+    """How many allocations of at most `most` minutes a job of `minutes` takes (Slurm requeues it at each limit)."""
+    return 1 if most is None or minutes <= most else -(-minutes // most)
 
 
 def slurm_parameters(
@@ -78,6 +157,7 @@ def slurm_parameters(
         "mem": f"{resources.mem_gb}GB",
         "time": resources.timeout_min,
         "ntasks_per_node": tasks_per_node,
+        "signal_delay_s": cluster.signal_delay_s,
     }
     if resources.gpus_per_node:
         params["gpus_per_node"] = resources.gpus_per_node
@@ -132,6 +212,18 @@ class StageJob(submitit.helpers.Checkpointable):
         return result
 
 
+class Requeueable(submitit.helpers.Checkpointable):
+    """A call that is not a stage (the capture service of a streamed training) as a job Slurm requeues on its time
+    limit or pre-emption, as `StageJob`: it starts again under the same job id, and resumes from its own durable
+    state (the service: from its consumers' floors, `states.stream`)."""
+
+    def __call__(self, fn: Callable[..., Any], *args):
+        result = fn(*args)
+        if submitit.JobEnvironment().name() != "debug":  # done: a late signal is ignored (see StageJob)
+            signal.signal(getattr(signal, "SIG" + submitit.JobEnvironment.USR_SIG), signal.SIG_IGN)
+        return result
+
+
 def submit(
     cluster: ClusterConfig,
     folder: Path,
@@ -141,18 +233,22 @@ def submit(
     *args,
     dependency=None,
     after_start=None,
+    resumes=False,
 ):
-    return executor(cluster, folder, name, resources, tasks_per_node, dependency, after_start).submit(StageJob(), *args)
+    ex = executor(cluster, folder, name, resources, tasks_per_node, dependency, after_start, resumes)
+    return ex.submit(StageJob(), *args)
 
 
 def job_state(cluster: ClusterConfig, folder: Path, job_id: str) -> str:
-    """Slurm's state of a job submitted earlier (e.g. by another sweep point), or UNKNOWN."""
+    """Slurm's state of a job submitted earlier (e.g. by another sweep point, or a stream's other side), asked of
+    Slurm now (submitit's watcher would answer from a cache up to ten minutes old), or UNKNOWN."""
     if cluster.kind != "slurm":
         return "UNKNOWN"
     try:
-        return submitit.SlurmJob(folder=folder, job_id=job_id).state
+        state = submitit.SlurmJob(folder=folder, job_id=job_id).get_info(mode="force").get("State") or "UNKNOWN"
     except Exception:
         return "UNKNOWN"
+    return state.split()[0]  # "CANCELLED by 0": the state
 
 
 ACTIVE_STATES = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "RESIZING", "SUSPENDED")

@@ -191,8 +191,8 @@ def test_dry_run_prints_the_extraction_storage_and_an_over_budget_plan_is_refuse
     assert proc.returncode == 0, proc.stderr
     # the recipes' scale, states streamed: the val split's 1,000 conversations x 1.1 answered turns (the sample
     # file's mean) x 8192 tokens, each token 4 states (3 aux + teacher) x 7168 x 2 bytes + id and mask; and the
-    # train split's 1,100,000 sequences' token ids, 5 bytes a token
-    stored, ids = 1100 * 8192, 1_100_000 * 8192
+    # train split's 660,000 sequences' token ids (600,000 conversations x 1.1), 5 bytes a token
+    stored, ids = 1100 * 8192, 660_000 * 8192
     total = stored * 57_349 + ids * 5
     assert (
         f"extract writes at most {total / 1e9:,.1f} GB: {stored:,} tokens x 57,349 bytes/token + {ids:,} streamed "
@@ -200,6 +200,14 @@ def test_dry_run_prints_the_extraction_storage_and_an_over_budget_plan_is_refuse
     ), proc.stdout
     plan = json.loads(next(outputs.rglob("plan.json")).read_text())
     assert plan["stages"][0]["storage"]["max_bytes"] == total
+    # on a 24-hour partition the plan prints every job's limit against it, the training and its capture service
+    # as allocations, and the training's hours and GPU-hours at the published rates
+    day = _cli(["+experiment=kimi_eagle3", "dry_run=true", "cluster.max_time_min=1440", *here], outputs / "day")
+    assert day.returncode == 0, day.stderr
+    assert "[time limits] train asks 3840 min, 512 GPU-hours at most; the partition allows 1440" in day.stdout
+    assert "[time limits] the capture service asks 4080 min" in day.stdout, day.stdout[-3000:]
+    assert "[train time] 82,500 steps, 660,000 samples, at most 5.41 B tokens" in day.stdout, day.stdout[-3000:]
+    assert "[train time] 3 allocations of at most 1440 min" in day.stdout
 
     refused = _cli(["+experiment=kimi_eagle3", "dry_run=true", "extract.max_bytes=1e10", *here], outputs / "refused")
     assert refused.returncode != 0

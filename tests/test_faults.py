@@ -91,23 +91,67 @@ def _refused_before_any_job(cfg, tmp_path) -> str:
     return str(refused.value)
 
 
-def test_a_job_longer_than_the_partition_allows_is_refused_by_the_dry_run(tiny_config, tmp_path):
-    """Where the cluster says the partition's longest job (cluster.max_time_min, Slurm's MaxTime), a job asking more
-    is refused before any job, naming both keys; sbatch would refuse it or leave it PENDING on PartitionTimeLimit.
-    kimi_eagle3 on a 24-hour partition: its training (2,880 min) and its capture service's job (train + eval,
-    3,120 min) are named."""
+def test_a_job_longer_than_the_partition_allows_is_split_where_it_resumes_and_refused_where_it_does_not(
+    tiny_config, tmp_path, capsys
+):
+    """Where the cluster says the partition's longest job (cluster.max_time_min, Slurm's MaxTime), a training asking
+    more is planned as several allocations of that length, each requeued at its limit and resuming from its
+    checkpoint; its Slurm job asks the partition's longest, with submitit's requeue budget for every allocation. An
+    eval, which starts over, asking more is refused before any job, naming both keys (sbatch would refuse it or
+    leave it PENDING on PartitionTimeLimit). kimi_eagle3_vllm on a 24-hour partition: every job fits, its training
+    in 2 allocations, its capture service in 3, with their GPU-hours."""
+    import submitit
+
+    from orchestrator import runner
+    from orchestrator.pipeline import print_train_time
     from orchestrator.preflight import time_limit_findings
 
-    cfg = tiny_config("cluster=slurm", "cluster.max_time_min=60", "train.resources.timeout_min=120", "dry_run=true")
+    cfg = tiny_config("cluster=slurm", "cluster.max_time_min=60", "train.resources.timeout_min=150", "dry_run=true")
+    (train,) = [f for f in time_limit_findings(cfg) if f.message.startswith("train")]
+    assert (
+        train.ok
+        and "train asks 150 min; the partition allows 60 (cluster.max_time_min=60): 3 allocations of 60 min"
+        in train.message
+    )
+    assert "up to 4 requeues (cluster.spare_requeues)" in train.message, train.message
+    ex = runner.executor(cfg.cluster, tmp_path / "jobs", "t", cfg.train.resources, 1, resumes=True)
+    assert isinstance(ex, submitit.SlurmExecutor) and ex.max_num_timeout == 4
+    assert ex.parameters["time"] == 60 and ex.parameters["signal_delay_s"] == 120, ex.parameters
+    whole = runner.executor(cfg.cluster, tmp_path / "jobs", "t", cfg.train.resources, 1)  # a job that starts over
+    assert whole.parameters["time"] == 150 and whole.max_num_timeout == 2
+
+    cfg = tiny_config("cluster=slurm", "cluster.max_time_min=60", "eval.resources.timeout_min=120", "dry_run=true")
     refused = _refused_before_any_job(cfg, tmp_path)
-    assert "[time limits] train asks 120 min; the partition allows 60 (cluster.max_time_min=60)" in refused
-    assert "lower train.resources.timeout_min to 60 or less" in refused
-    kimi = tiny_config("cluster=example_site", "cluster.max_time_min=1440", experiment="kimi_eagle3", fast=False)
-    over = [f.message for f in time_limit_findings(kimi) if not f.ok]
-    assert over == [
-        "train asks 2880 min; the partition allows 1440 (cluster.max_time_min=1440)",
-        "the capture service asks 3120 min; the partition allows 1440 (cluster.max_time_min=1440)",
-    ], over
+    assert "[time limits] eval asks 120 min; the partition allows 60 (cluster.max_time_min=60)" in refused
+    assert "lower eval.resources.timeout_min to 60 or less" in refused
+
+    kimi = tiny_config("cluster=example_site", "cluster.max_time_min=1440", experiment="kimi_eagle3_vllm", fast=False)
+    findings = {f.message.split(" asks")[0]: f for f in time_limit_findings(kimi)}
+    assert sorted(findings) == ["eval", "extract", "serve", "the capture service", "train"]
+    assert all(f.ok for f in findings.values()), [f.message for f in findings.values() if not f.ok]
+    assert findings["train"].message.startswith(
+        "train asks 3840 min, 512 GPU-hours at most; the partition allows 1440 (cluster.max_time_min=1440): "
+        "3 allocations of 1440 min"
+    ), findings["train"].message
+    assert "4080 min, 544 GPU-hours at most" in findings["the capture service"].message
+    assert "3 allocations of 1440 min" in findings["the capture service"].message
+    # the training on paper: 600,000 conversations x 1.1 answered turns a conversation in the sample file, one
+    # pass, 8 sequences a step, at 0.37 samples/s on each of 8 training GPUs (2.96/s) against the service's 3.0/s
+    capsys.readouterr()
+    print_train_time(kimi)
+    out = capsys.readouterr().out
+    steps = -(-round(600_000 * 1.1) // 8)
+    hours = steps * 8 / (0.37 * 8) / 3600
+    assert (
+        f"[train time] {steps:,} steps, {steps * 8:,} samples, at most {steps * 8 * 8192 / 1e9:,.2f} B tokens, at "
+        f"2.96 samples/s, paced by the trainers (train.stream.train_samples_per_s): {hours:,.1f} h, "
+        f"{hours * 16:,.0f} GPU-hours (the trainers and the capture service)" in out
+    ), out
+    assert "[train time] 3 allocations of at most 1440 min, each resuming where the last stopped:" in out, out
+    spans = re.findall(r"^  \d: steps ([\d,]+)\.\.([\d,]+), at most [\d.]+ B tokens, ([\d.]+) h$", out, re.M)
+    assert [(int(a.replace(",", "")), int(b.replace(",", ""))) for a, b, _ in spans] == [
+        (0, 27_500), (27_500, 55_000), (55_000, 82_500)
+    ] and all(float(h) * 60 <= 1440 for _, _, h in spans), out  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -228,6 +228,10 @@ class StreamConfig:
     # long after the first one did, without the others: on Slurm a trial whose job waits in the queue behind the
     # group's would hold it. A trainer left out fails when it starts, saying so (`stream.declare`).
     declare_timeout_s: float = MISSING
+    # On Slurm, either side of the stream that falls silent is asked after through Slurm (squeue/sacct): a job
+    # requeued (its time limit, pre-emption) or pending keeps its place for up to this long, and the other side waits
+    # for it; one that ended for good is dropped (the service) or fails the reader (the trainer) at once.
+    requeue_wait_min: float = MISSING
     # estimates for the dry run's link rates (null: not priced): samples/s one trainer GPU consumes, and samples/s the
     # capture service produces
     train_samples_per_s: Optional[float] = MISSING
@@ -366,6 +370,13 @@ class ClusterConfig:
     # dry run runs on a Slurm cluster. A dry run refuses a job that asks more, which sbatch would reject or leave
     # PENDING on PartitionTimeLimit.
     max_time_min: Optional[int] = MISSING
+    # Slurm signals a job this long before its time limit (--signal=USR2@N): submitit's handler then checkpoints and
+    # requeues it. Long enough for the stage to reach a safe point (the training writes its checkpoint every
+    # train.checkpoint_every steps: the requeued job resumes from the last one).
+    signal_delay_s: int = MISSING
+    # Requeues at a time limit a job may take beyond those its plan needs (a training longer than max_time_min is
+    # planned as several allocations): an allocation that ends before its first checkpoint makes no progress.
+    spare_requeues: int = MISSING
 
 
 @dataclass

@@ -115,6 +115,8 @@ def check_stream(cfg: RootConfig) -> None:
         raise ConfigError(f"train.stream.replay_bytes={t.stream.replay_bytes}: expected >= 0 (0: every epoch captures)")
     if t.stream.stall_timeout_s <= 0:
         raise ConfigError(f"train.stream.stall_timeout_s={t.stream.stall_timeout_s}: expected > 0")
+    if t.stream.requeue_wait_min < 0:
+        raise ConfigError(f"train.stream.requeue_wait_min={t.stream.requeue_wait_min}: expected >= 0")
     check_stream_balance(cfg)
 
 
@@ -258,6 +260,10 @@ def validate(cfg: RootConfig) -> None:
     serving = engines.names(engines.SERVE)
     check(cfg.serve.engine in serving, f"serve.engine={cfg.serve.engine!r}: expected one of {serving}")
     check(cfg.cluster.kind in CLUSTERS, f"cluster.kind={cfg.cluster.kind!r}: expected one of {CLUSTERS}")
+    c = cfg.cluster
+    check(c.max_time_min is None or c.max_time_min > 0, f"cluster.max_time_min={c.max_time_min}: expected > 0 or null")
+    check(c.signal_delay_s >= 0, f"cluster.signal_delay_s={c.signal_delay_s}: expected >= 0")
+    check(c.spare_requeues >= 0, f"cluster.spare_requeues={c.spare_requeues}: expected >= 0")
     for stage in STAGES:
         check_resources(cfg, stage)
     vd = cfg.draft.draft_vocab_size

@@ -321,14 +321,24 @@ def _run(cfg: RootConfig, plan, tracker, compute: Compute) -> TrainResult | None
     loop.resume(total)
     # a layer search's pruner may stop the trial (asked by rank 0 alone, its answer shared); else a no-op
     report_to_search = pruning.reporter(plan) if compute.is_main else (lambda _step, _val: None)
-    if tc.states == "stream":  # a capture service computes the states from the step the loop resumes at
+    if tc.states == "stream" and loop.step >= total:  # requeued after its last checkpoint: nothing left to read
+        train_seqs = stream.read_nothing(cfg, plan, manifest)
+    elif tc.states == "stream":  # a capture service computes the states from the step the loop resumes at
         train_seqs = stream.open_stream(cfg, plan, manifest, list(tc.layers), compute, loop.step, total)
     else:
         train_seqs = load_split(extract_dir, manifest, "train", list(tc.layers), verify=False)
     try:
         history = loop.run(train_seqs, val_seqs, total, tracker, report_to_search, verification.check)
-    finally:
+    except SystemExit:  # submitit's handler requeued this job: a stream's service keeps its place for the next start
+        if isinstance(train_seqs, stream.StreamedSplit):
+            train_seqs.close(requeued=True)
+        else:
+            train_seqs.close()
+        raise
+    except BaseException:
         train_seqs.close()
+        raise
+    train_seqs.close()
     verification.finish()  # before the draft is exported: a draft of a corrupt extraction is never written
     final = history[-1] if history else loop.validate(val_seqs)
     if not compute.is_main:

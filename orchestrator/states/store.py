@@ -191,7 +191,10 @@ class MooncakeStore:
             raise StoreError(f"Mooncake Store at {self.address['master']}: removing {key} returned {code}")
 
     def keys(self) -> list[str]:
-        return sorted(name for name in os.listdir(self.held) if not name.endswith(".tmp"))  # one being written
+        try:
+            return sorted(name for name in os.listdir(self.held) if not name.endswith(".tmp"))  # one being written
+        except FileNotFoundError:  # a service starting again clears it
+            return []
 
     def held_bytes(self) -> int:
         """What this (the service's) client put and is still held: keys another client released are gone."""
@@ -240,11 +243,14 @@ class MooncakeMaster:
     def __init__(self, host: str, protocol: str, log: Path, startup_timeout_s: float = 60.0):
         binary = mooncake_master_binary()
         self.host, self.rpc, self.http = host, free_port(host), free_port(host)
+        # its metrics and admin server on a port of its own (the default, 9003, is one per node: a second master on
+        # the node, another run's or a requeued service's, would fail to start)
         command = [binary, f"--rpc_address={host}", f"--rpc_port={self.rpc}", "--enable_http_metadata_server=true",
-                   f"--http_metadata_server_host={host}", f"--http_metadata_server_port={self.http}"]  # fmt: skip
+                   f"--http_metadata_server_host={host}", f"--http_metadata_server_port={self.http}",
+                   f"--metrics_host={host}", f"--metrics_port={free_port(host)}"]  # fmt: skip
         self.log = Path(log)
         with open(self.log, "a") as out:
-            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         began = time.monotonic()
         while not all(_listening(host, port) for port in (self.rpc, self.http)):
             if self.proc.poll() is not None or time.monotonic() - began > startup_timeout_s:
@@ -267,6 +273,16 @@ class MooncakeMaster:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In the master's process before it starts: Linux ends it (SIGTERM) when the service that started it dies, even
+    by SIGKILL, so a killed service leaves no master holding its ports and memory (prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
 
 
 def _listening(host: str, port: int) -> bool:
@@ -298,6 +314,8 @@ def open_service_store(cfg, spool: Path, buffer_bytes: int) -> tuple[StateStore,
         address = store.describe()
     else:
         mc = st.mooncake
+        for stale in (spool / HELD).glob("*"):  # an earlier start's keys (a requeued service): its master is gone
+            stale.unlink(missing_ok=True)
         master = MooncakeMaster(service_host(cfg), mc.protocol, spool / MASTER_LOG)
         address = master.address
         if mc.protocol == "rdma" and address["protocol"] != "rdma" and not mc.allow_tcp:

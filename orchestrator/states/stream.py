@@ -68,6 +68,7 @@ DROPPED = "dropped"  # why a registered consumer was left out, for it to say whe
 SERVICE_JOB = "service_job"  # the Slurm job id of a service that is a job of its own, for its consumers' `after:`
 EVAL = "eval"
 SHARED = "shared"  # a number `prepare` writes: every reader of the spool must see it (`check_shared`)
+FLOORS = "floors"  # floors/<consumer>/<rank>: the first position that rank may still need (`StreamedSplit`)
 HEARTBEAT_S = 2.0
 POLL_S = 0.02
 
@@ -218,6 +219,9 @@ def serve(spool: Path, log: Path | None = None) -> int:
         capture = engine.open_stream(cfg, Path(spec.target_path), layers, compute, spool / "engine", evals)
         try:
             return _capture(spool, spec, parent, status, tokens, capture, store)
+        except SystemExit:  # submitit requeued this job (its time limit, or pre-emption): its consumers wait for it
+            status.update(state="requeued")
+            raise
         finally:
             capture.close()
     finally:
@@ -227,12 +231,15 @@ def serve(spool: Path, log: Path | None = None) -> int:
 
 
 def _capture(spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens, capture, store) -> int:
-    """The trainer's steps into the spool; a shared service's steps are its consumers' (`declare`), and it starts
-    over, the spool emptied, when one declares again."""
+    """The trainer's steps into the spool; a shared service's steps are its consumers' (`declare`), from the step
+    the slowest of them reads (its floor: a service started again after a requeue goes on where they are, skipping
+    what every consumer has read and what the store still holds), and it starts over, the spool emptied, when one
+    declares again."""
     replay = _Replay(spool / REPLAY, spec.replay_bytes)
     status.update(replayed_sequences=0)
+    batch = spec.cfg.train.batch_size
     while True:
-        start, total, declared = spec.start_step, spec.total_steps, {}
+        start, total, declared, skip = spec.start_step, spec.total_steps, {}, None
         if spec.shared:
             found = _declared_steps(spool, spec, parent, status)
             if found is None:
@@ -241,9 +248,22 @@ def _capture(spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens
             if not found:  # no trainer: eval consumers alone
                 return _answer_evals(spool, spec, parent, status, capture, 0)
             declared = {name: c["declared"] for name, c in found.items()}
-            start, total = min(c["steps"][0] for c in found.values()), max(c["steps"][1] for c in found.values())
+            floors = {name: floor(spool, name, c, batch) for name, c in found.items()}
+            start, total = min(floors.values()) // batch, max(c["steps"][1] for c in found.values())
+            held = set(store.keys())
+            if start > min(c["steps"][0] for c in found.values()) or held:
+                print(f"[stream] the consumers read from step {start} on (their floors); "
+                      f"{len(held)} sequences still held", flush=True)  # fmt: skip
+
+            def skip(position: int, index: int, found=found, floors=floors, held=held) -> bool:
+                return stores.key(position, index) in held or _done_with(spool, found, floors, position)
+
         try:
-            code = _capture_steps(spool, spec, parent, status, tokens, capture, store, replay, start, total, declared)
+            code = _capture_steps(
+                spool, spec, parent, status, tokens, capture, store, replay, start, total, declared, skip
+            )
+            if code == 0:
+                code = _drain(spool, spec, parent, status, store, declared)
             return _answer_evals(spool, spec, parent, status, capture, code)
         except _Conflict as why:
             print(f"[stream] {why}: stopping", flush=True)
@@ -258,8 +278,33 @@ def _capture(spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens
                 marks.mkdir()
 
 
+def _drain(spool: Path, spec: StreamSpec, parent: int, status: _Status, store, declared) -> int:
+    """Every state is in the store: the service keeps it (Mooncake's objects live in its memory) until its trainers
+    have read it and ended, so that a trainer requeued before its last checkpoint declares again (`_Rewind`) and is
+    served, rather than finding no service. 0: every state was written."""
+    status.update(state="done")
+    while not (spool / STOP).exists() and _trainer_alive(spec, parent):
+        if spec.shared and not _collect(spool, spec, store, declared, status):
+            return 0
+        if not spec.shared and not store.keys():  # its one trainer has read every state
+            return 0
+        time.sleep(POLL_S * 5)
+    return 0
+
+
 def _capture_steps(
-    spool: Path, spec: StreamSpec, parent: int, status: _Status, tokens, capture, store, replay, start, total, declared
+    spool: Path,
+    spec: StreamSpec,
+    parent: int,
+    status: _Status,
+    tokens,
+    capture,
+    store,
+    replay,
+    start,
+    total,
+    declared,
+    skip=None,
 ) -> int:
     """Steps `start`..`total`'s sequences into the store in the trainers' order. The engine captures the next
     request's sequences (`_captured`, in a thread of its own) while this thread hands the last one's over (waiting
@@ -267,7 +312,8 @@ def _capture_steps(
     status.update(state="capturing", replay_bytes_used=replay.used)
     print(f"[stream] capturing {len(tokens)} sequences' states, steps {start}..{total}, "
           f"{spec.request_sequences} sequences a request", flush=True)  # fmt: skip
-    with _Ahead(_captured(spec, status, tokens, capture, replay, start, total), spec.request_sequences) as ahead:
+    captured = _captured(spec, status, tokens, capture, replay, start, total, skip)
+    with _Ahead(captured, spec.request_sequences) as ahead:
         for position, index, tensors in ahead:
             if not _put(spool, spec, parent, status, store, stores.key(position, index), tensors, declared):
                 status.update(state="stopped")
@@ -278,8 +324,9 @@ def _capture_steps(
     return 0
 
 
-def _captured(spec: StreamSpec, status: _Status, tokens, capture, replay, start: int, total: int):
-    """(position, index, tensors) of each sequence of steps `start`..`total`, in the trainers' order:
+def _captured(spec: StreamSpec, status: _Status, tokens, capture, replay, start: int, total: int, skip=None):
+    """(position, index, tensors) of each sequence of steps `start`..`total`, in the trainers' order, less those
+    `skip(position, index)` names (a restarted service's: read already, or still held):
     `spec.request_sequences` sequences a request to the engine (`each_states`, which may send the next request
     before the last one's states are read), those the replay holds read from it instead. The log counts each
     epoch's captured and replayed sequences (`_Passes`)."""
@@ -295,15 +342,21 @@ def _captured(spec: StreamSpec, status: _Status, tokens, capture, replay, start:
         for step in range(start, total):
             order = step_indices(len(tokens), batch, cfg.train.seed, step)
             for first in range(0, len(order), spec.request_sequences):
-                chunk = order[first : first + spec.request_sequences]
-                kept = {i: replay.get(i) for i in chunk}
-                todo = [i for i in chunk if kept[i] is None]
-                asked.append((step, first, chunk, kept, todo))
+                chunk = [
+                    (step * batch + first + offset, i)
+                    for offset, i in enumerate(order[first : first + spec.request_sequences])
+                    if skip is None or not skip(step * batch + first + offset, i)
+                ]
+                if not chunk:
+                    continue
+                kept = {i: replay.get(i) for _, i in chunk}
+                todo = [i for _, i in chunk if kept[i] is None]
+                asked.append((step, chunk, kept, todo))
                 yield [Rendered(ids.tolist(), mask.int().tolist()) for ids, mask in map(tokens.tokens, todo)]
 
     waited, answers = time.time(), zip_answers(capture, requests())
     for rendered, captured in _closing(answers):
-        step, first, chunk, kept, todo = asked.popleft()
+        step, chunk, kept, todo = asked.popleft()
         passes.at(step, status)
         count = sum(len(r.input_ids) for r in rendered)
         status.add(capture_s=time.time() - waited, sequences=len(todo), tokens=count)
@@ -312,8 +365,8 @@ def _captured(spec: StreamSpec, status: _Status, tokens, capture, replay, start:
             replay.put(index, kept[index])
         status.add(replayed_sequences=len(chunk) - len(todo))
         status.set(replay_bytes_used=replay.used)
-        for offset, index in enumerate(chunk):
-            yield step * batch + first + offset, index, kept[index]
+        for position, index in chunk:
+            yield position, index, kept[index]
         waited = time.time()
     passes.end(status)
 
@@ -401,7 +454,7 @@ def _answer_evals(spool: Path, spec: StreamSpec, parent: int, status: _Status, c
     folder, evaluators, answered = spool / EVAL, {}, 0
     folder.mkdir(exist_ok=True)
     while not (spool / STOP).exists() and _trainer_alive(spec, parent):
-        if not _role(_live_consumers(spool, spec), "eval"):
+        if not _role(_live_consumers(spool, spec, status), "eval"):
             break
         if status.values["state"] != "answering eval":
             status.update(state="answering eval")
@@ -483,7 +536,7 @@ def _put(spool: Path, spec: StreamSpec, parent: int, status: _Status, store, nam
     while True:
         if (spool / STOP).exists() or not _trainer_alive(spec, parent):
             return False
-        if spec.shared and not _collect(spool, spec, store, declared):
+        if spec.shared and not _collect(spool, spec, store, declared, status):
             print("[stream] every trainer has ended: stopping", flush=True)
             return False
         used, held = store.held_bytes(), len(store.keys())
@@ -513,19 +566,23 @@ def register(spool: Path, consumer: str, role: str = "train") -> None:
         tmp.write_text(json.dumps({"steps": None, "declared": None, "role": role}))
 
 
-def declare(spool: Path, consumer: str, start_step: int, total_steps: int) -> None:
-    """The registered `consumer`'s steps: it reads the positions of steps `start_step`..`total_steps`. Declaring
-    again (a requeued or resumed trainer) makes the service start over at the earliest declared step when it is the
-    service's only consumer, and stop, saying why, when others read beside it (`_Conflict`)."""
+def declare(spool: Path, consumer: str, start_step: int, total_steps: int, ranks: int = 1) -> None:
+    """The registered `consumer`'s steps: it reads the positions of steps `start_step`..`total_steps`, with `ranks`
+    ranks (each keeps its floor, `StreamedSplit`). Declaring again (a requeued or resumed trainer) makes the service
+    start over at the earliest declared step when it is the service's only consumer, and stop, saying why, when
+    others read beside it (`_Conflict`)."""
     path = Path(spool) / CONSUMERS / f"{consumer}.json"
     if not path.exists():
         dropped = Path(spool) / DROPPED / consumer
         why = dropped.read_text() if dropped.exists() else "no consumer {consumer!r} is registered with that service"
         raise StreamError(f"train.stream.join={spool}: " + why.format(consumer=consumer))
     (Path(spool) / READS / consumer).mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(Path(spool) / FLOORS / consumer, ignore_errors=True)  # the last declaration's ranks' floors
     record = json.loads(path.read_text())
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(record | {"steps": [start_step, total_steps], "declared": time.time()}))
+        tmp.write_text(
+            json.dumps(record | {"steps": [start_step, total_steps], "declared": time.time(), "ranks": ranks})
+        )
     dropped = Path(spool) / DROPPED / consumer
     if dropped.exists():  # left out as it declared (`_drop` writes the reason first, then unregisters it)
         unregister(spool, consumer)
@@ -533,16 +590,17 @@ def declare(spool: Path, consumer: str, start_step: int, total_steps: int) -> No
 
 
 def note_job(spool: Path, consumer: str, folder: Path, job_id: str) -> None:
-    """The Slurm job that will read as `consumer`: a service watches it while the consumer has not declared (a job
-    cancelled in the queue, or failed before training, never will)."""
+    """The Slurm job that will read as `consumer`: the service asks Slurm about it where the consumer is silent
+    (`_live_consumers`): one not declared yet (a job cancelled in the queue, or failed before training, never will),
+    or one whose heartbeat stopped (a requeued job, pending or starting again, keeps its place; one ended for good is
+    dropped)."""
     path = Path(spool) / CONSUMERS / f"{consumer}.json"
     try:
         record = json.loads(path.read_text())
     except FileNotFoundError:  # left out already (`_drop`): its job fails as it declares
         return
-    if record["steps"] is None:
-        with atomic_path(path) as tmp:
-            tmp.write_text(json.dumps(record | {"job": [str(folder), str(job_id)]}))
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(record | {"job": [str(folder), str(job_id)]}))
 
 
 def unregister(spool: Path, consumer: str) -> None:
@@ -598,7 +656,7 @@ def _declared_steps(spool: Path, spec: StreamSpec, parent: int, status: _Status)
     status.update(state="waiting for consumers")
     first = None  # when the first trainer declared
     while not (spool / STOP).exists() and _trainer_alive(spec, parent):
-        declared = _live_consumers(spool, spec)
+        declared = _live_consumers(spool, spec, status)
         if not declared:
             return None
         trainers = _role(declared, "train")  # empty: eval consumers alone (the draft was trained already)
@@ -636,42 +694,82 @@ def _role(found: dict[str, dict[str, Any]], role: str) -> dict[str, dict[str, An
     return {name: c for name, c in found.items() if c.get("role", "train") == role}
 
 
-def _live_consumers(spool: Path, spec: StreamSpec) -> dict[str, dict[str, Any]]:
-    """The consumers, less those declared whose heartbeat is older than `train.stream.stall_timeout_s` (unregistered
-    here: a trainer killed without a word no longer holds the stream)."""
-    found = consumers(spool)
+def _live_consumers(spool: Path, spec: StreamSpec, status: _Status | None = None) -> dict[str, dict[str, Any]]:
+    """The consumers, less those that have ended (unregistered here, the reason logged). A declared consumer whose
+    heartbeat is older than `train.stream.stall_timeout_s` is asked after through Slurm where its job is known
+    (`note_job`): a job pending, requeued or starting again keeps its place for up to `train.stream.requeue_wait_min`
+    (the status says whom the service waits for), one that ended is dropped. A consumer with no job (a process on
+    this machine) is dropped on the silence alone."""
+    found, waiting = consumers(spool), []
+    st = spec.cfg.train.stream
     for name, c in list(found.items()):
-        if c["steps"] is not None and time.time() - c["beat"] > spec.cfg.train.stream.stall_timeout_s:
-            print(f"[stream] consumer {name} gave no sign of life for {time.time() - c['beat']:.0f} s: dropped")
-        elif c["steps"] is None and c.get("job") and _job_ended(spec, *c["job"]):
-            print(f"[stream] consumer {name}'s job {c['job'][1]} ended before it read: dropped")
+        silent = time.time() - c["beat"]
+        if c["steps"] is not None and silent > st.stall_timeout_s:
+            if not c.get("job"):
+                why = f"gave no sign of life for {silent:.0f} s (train.stream.stall_timeout_s={st.stall_timeout_s:g})"
+            else:
+                state = _job_state(spec, *c["job"])
+                if state in ACTIVE_STATES and silent <= st.requeue_wait_min * 60:
+                    waiting.append(f"{name} (job {c['job'][1]} {state})")
+                    continue
+                why = (f"its job {c['job'][1]} is {state}" if state not in ACTIVE_STATES else
+                       f"its job {c['job'][1]} has been {state} without a sign of life for {silent:.0f} s "
+                       f"(train.stream.requeue_wait_min={st.requeue_wait_min:g})")  # fmt: skip
+        elif c["steps"] is None and c.get("job") and _job_state(spec, *c["job"]) not in ACTIVE_STATES:
+            why = f"its job {c['job'][1]} ended before it read ({_job_state(spec, *c['job'])})"
         else:
             continue
+        print(f"[stream] consumer {name}: {why}: dropped", flush=True)
         unregister(spool, name)
         del found[name]
+    if status is not None and waiting != status.values.get("waiting_for", []):
+        status.update(waiting_for=waiting)
+        if waiting:
+            print(f"[stream] waiting for {', '.join(waiting)}", flush=True)
     return found
 
 
-_JOB_CHECKS: dict[str, float] = {}
+# Slurm's states of a job that may read again: queued, requeued, running, or Slurm could not say (sacct down)
+ACTIVE_STATES = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "RESIZING", "SUSPENDED", "UNKNOWN")
+_JOB_STATES: dict[str, tuple[float, str]] = {}
 JOB_CHECK_S = 30.0
 
 
-def _job_ended(spec: StreamSpec, folder: str, job_id: str) -> bool:
-    """Whether a consumer's Slurm job has ended (asked of Slurm every `JOB_CHECK_S` at most)."""
+def _job_state(spec: StreamSpec, folder: str, job_id: str) -> str:
+    """Slurm's state of a consumer's job, asked of Slurm every `JOB_CHECK_S` at most."""
     from orchestrator import runner
 
-    if time.time() - _JOB_CHECKS.get(job_id, 0.0) < JOB_CHECK_S:
-        return False
-    _JOB_CHECKS[job_id] = time.time()
-    state = runner.job_state(spec.cfg.cluster, Path(folder), job_id)
-    return state not in runner.ACTIVE_STATES and state != "UNKNOWN"
+    asked, state = _JOB_STATES.get(job_id, (0.0, "UNKNOWN"))
+    if time.time() - asked >= JOB_CHECK_S:
+        state = runner.job_state(spec.cfg.cluster, Path(folder), job_id)
+        _JOB_STATES[job_id] = (time.time(), state)
+    return state
 
 
-def _collect(spool: Path, spec: StreamSpec, store, began: dict[str, float]) -> bool:
-    """Deletes the files every consumer has read (or starts past); False when no consumer is left. Raises `_Rewind`
-    when a consumer has declared since the service began (`began`: each consumer's declaration then), `_Conflict`
-    when others read meanwhile."""
-    declared = _role(_live_consumers(spool, spec), "train")
+def floor(spool: Path, name: str, c: dict[str, Any], batch: int) -> int:
+    """The first position consumer `name` (declared as `c`) may still need: the lowest of its ranks' floors (each
+    rank's is the first position of the step it reads, `StreamedSplit`), its declared first step's before a rank
+    has written one."""
+    start = c["steps"][0] * batch
+    kept = []
+    for rank in range(c.get("ranks") or 1):
+        try:
+            kept.append(max(start, int((spool / FLOORS / name / str(rank)).read_text())))
+        except (FileNotFoundError, ValueError):  # not written yet (or being replaced)
+            kept.append(start)
+    return min(kept)
+
+
+def _done_with(spool: Path, declared: dict[str, dict[str, Any]], floors: dict[str, int], position: int) -> bool:
+    """Whether every consumer has read `position` (its mark) or is past it (its floor)."""
+    return all(position < floors[name] or (spool / READS / name / f"{position:012d}").exists() for name in declared)
+
+
+def _collect(spool: Path, spec: StreamSpec, store, began: dict[str, float], status: _Status | None = None) -> bool:
+    """Deletes the files every consumer has read (or is past), and the read marks below every consumer's floor;
+    False when no consumer is left. Raises `_Rewind` when a consumer has declared since the service began (`began`:
+    each consumer's declaration then), `_Conflict` when others read meanwhile."""
+    declared = _role(_live_consumers(spool, spec, status), "train")
     declared = {name: c for name, c in declared.items() if not (spool / DROPPED / name).exists()}  # leaving (`_drop`)
     if not declared:
         return False
@@ -687,15 +785,17 @@ def _collect(spool: Path, spec: StreamSpec, store, began: dict[str, float]) -> b
     if again:
         raise _Rewind(f"consumer {', '.join(again)} declared steps {declared[again[0]]['steps']}")
     batch = spec.cfg.train.batch_size
+    floors = {name: floor(spool, name, c, batch) for name, c in declared.items()}
     for held in store.keys():
-        position = held.split("-")[0]  # the name a consumer's mark takes
-        if all(
-            int(position) < c["steps"][0] * batch or (spool / READS / name / position).exists()
-            for name, c in declared.items()
-        ):
+        if _done_with(spool, declared, floors, stores.position_of(held)):
             store.release(held)
-            for name in declared:
-                (spool / READS / name / position).unlink(missing_ok=True)
+    # a mark is kept while its consumer may still be behind it: a service started again (requeued) skips the
+    # positions every consumer has read
+    for name in declared:
+        with os.scandir(spool / READS / name) as marks:
+            for mark in marks:
+                if mark.name.isdigit() and int(mark.name) < floors[name]:
+                    Path(mark.path).unlink(missing_ok=True)
     return True
 
 
@@ -796,7 +896,13 @@ def read_status(spool: Path) -> dict[str, Any] | None:
 class StreamedSplit:
     """The train split as a `StateSource` read from the spool: `take(indices)` waits for each sequence's file, reads
     it (with `layers`' columns of what the extraction's layers captured) and deletes it. Any rank can read its share;
-    the rank that started the service passes it, so that its exit is seen at once, the others watch its status."""
+    the rank that started the service passes it, so that its exit is seen at once, the others watch its status.
+
+    A consumer of a shared service (`consumer`: a joined one, each rank `rank` of `ranks`) marks what it read and
+    keeps its floor in the spool (`floors/<consumer>/<rank>`: the first position of the step it reads), so that a
+    service started again (requeued) goes on where its consumers are. A rank reads positions in order: it never
+    takes a file below the last it took (a later epoch's copy of a sequence comes later). `watch`: the service's
+    Slurm job, asked after where the service is silent (`ServiceJob`)."""
 
     def __init__(
         self,
@@ -808,14 +914,22 @@ class StreamedSplit:
         consumer: str | None = None,
         start_position: int = 0,
         beat: _Beat | None = None,
+        rank: int = 0,
+        batch: int = 1,
+        watch: ServiceJob | None = None,
     ):
         self.spool, self.size, self.columns = Path(spool), size, columns
-        self.stall_timeout_s, self.service = stall_timeout_s, service
+        self.stall_timeout_s, self.service, self.watch = stall_timeout_s, service, watch
         # a shared service's consumer marks what it read (the service deletes a file all its consumers read);
         # a trainer with a service of its own deletes each file as it reads it
         self.consumer, self.start_position, self.beat = consumer, start_position, beat
+        self.rank, self.batch, self.next_position, self.floor_at = rank, batch, start_position, -1
         self.wait_s, self.opened = 0.0, time.time()
         self.store: stores.StateStore | None = None  # the service's, once it has published it
+        self.address: dict[str, Any] | None = None
+        self.connected = 0.0  # when the published address was last read (`_connect`)
+        if consumer is not None:
+            self._floor(start_position)
 
     def __len__(self) -> int:
         return self.size
@@ -823,12 +937,15 @@ class StreamedSplit:
     def take(self, indices: Iterable[int]) -> list[SequenceStates]:
         return [self._next(int(i)) for i in indices]
 
-    def close(self) -> None:
+    def close(self, requeued: bool = False) -> None:
+        """Ends the reading; `requeued`: this job was requeued (submitit's handler): its consumer stays registered
+        for the job's next start, which declares again."""
         if self.service is not None:
             self.service.stop()
         if self.beat is not None:  # the rank that declared this consumer says it has ended, however it ended
             self.beat.stop()
-            unregister(self.spool, self.consumer)
+            if not requeued:
+                unregister(self.spool, self.consumer)
         if self.store is not None:
             self.store.close()
 
@@ -849,33 +966,61 @@ class StreamedSplit:
             time.sleep(POLL_S)
 
     def _take(self, index: int) -> dict[str, torch.Tensor] | None:
-        """Sequence `index`'s tensors at its earliest unread position (a later one is the same sequence in a later
-        epoch), released (its own service's) or marked read (a shared one's); None while there is none."""
-        if self.store is None:
-            address = stores.published(self.spool)
-            if address is None:  # the service has not opened its store yet
-                return None
-            self.store = stores.open_consumer_store(self.spool, address)
+        """Sequence `index`'s tensors at its earliest position from the last this rank took on (a later one is the
+        same sequence in a later epoch), released (its own service's) or marked read (a shared one's); None while
+        there is none."""
+        if (self.store is None or time.time() - self.connected > 1.0) and not self._connect():
+            return None  # the service has not opened its store yet
         found = [k for k in self.store.keys() if stores.index_of(k) == index]
+        found = [k for k in found if stores.position_of(k) >= self.next_position]
         if self.consumer is not None:  # another consumer's, or one this consumer read in an earlier epoch
             found = [k for k in found if self._unread(k)]
         for name in found:
-            tensors = self.store.take(name)
+            try:
+                tensors = self.store.take(name)
+            except stores.StoreError:  # its service is gone (a requeued one's Mooncake master): ask again
+                self.address = None
+                return None
             if tensors is None:  # released meanwhile (another epoch's, read by every consumer)
                 continue
+            position = stores.position_of(name)
             if self.consumer is None:
                 self.store.release(name)
             else:
                 (self.spool / READS / self.consumer / name.split("-")[0]).touch()
+                if position // self.batch * self.batch > self.floor_at:  # a new step: this rank's floor
+                    self._floor(position // self.batch * self.batch)
+            self.next_position = position + 1
             return tensors
         return None
+
+    def _connect(self) -> bool:
+        """The store the service published, opened again when it has changed (a service started again: its Mooncake
+        master is new); False while there is none."""
+        address, self.connected = stores.published(self.spool), time.time()
+        if address is None or address == self.address:
+            return self.store is not None
+        if self.store is not None:
+            self.store.close()
+        self.store, self.address = stores.open_consumer_store(self.spool, address), address
+        return True
+
+    def _floor(self, position: int) -> None:
+        folder = self.spool / FLOORS / self.consumer
+        folder.mkdir(parents=True, exist_ok=True)
+        with atomic_path(folder / str(self.rank)) as tmp:
+            tmp.write_text(str(position))
+        self.floor_at = position
 
     def _unread(self, name: str) -> bool:
         position = name.split("-")[0]
         return int(position) >= self.start_position and not (self.spool / READS / self.consumer / position).exists()
 
     def _check_alive(self, index: int) -> None:
-        check_service(self.spool, self.service, f"sequence {index}", "streamed", self.stall_timeout_s, self.opened)
+        self._connect()
+        check_service(
+            self.spool, self.service, f"sequence {index}", "streamed", self.stall_timeout_s, self.opened, self.watch
+        )
 
     def report(self) -> dict[str, Any]:
         """What the stream cost: the trainer's wait, the service's capture rate, the spool's peak against the
@@ -896,12 +1041,65 @@ class StreamedSplit:
         }
 
 
+class ServiceJob:
+    """A capture service that is a Slurm job of its own, as its consumers watch it: where the service is silent
+    (exited, requeued, or its heartbeat older than `train.stream.stall_timeout_s`), Slurm says whether its job is
+    coming back (pending, requeued, starting again: wait, up to `train.stream.requeue_wait_min`) or has ended (fail
+    now, naming its state)."""
+
+    def __init__(self, cfg, spool: Path, job_id: str):
+        self.cfg, self.spool, self.job_id = cfg, Path(spool), job_id
+        self.asked, self.state, self.silent_since, self.said = 0.0, "UNKNOWN", None, None
+
+    @classmethod
+    def of(cls, cfg, spool: Path) -> ServiceJob | None:
+        path = Path(spool) / SERVICE_JOB
+        if cfg.cluster.kind != "slurm" or not path.exists():
+            return None
+        return cls(cfg, spool, path.read_text().strip())
+
+    def waits(self) -> str | None:
+        """None when the service is not coming back; else what the consumer waits for (said once a state)."""
+        from orchestrator import runner
+
+        now = time.time()
+        self.silent_since = self.silent_since or now
+        if now - self.asked >= min(JOB_CHECK_S, self.cfg.train.stream.stall_timeout_s):
+            self.asked, self.state = now, runner.job_state(self.cfg.cluster, self.spool, self.job_id)
+        if self.state not in ACTIVE_STATES:
+            return None
+        if now - self.silent_since > self.cfg.train.stream.requeue_wait_min * 60:
+            return None
+        what = f"the capture service's job {self.job_id} ({self.state})"
+        if what != self.said:
+            wait = self.cfg.train.stream.requeue_wait_min
+            print(f"[stream] waiting for {what} to serve again (train.stream.requeue_wait_min={wait:g})", flush=True)
+            self.said = what
+        return what
+
+    def serving(self) -> None:
+        self.silent_since, self.said = None, None
+
+    def why(self) -> str:
+        if self.state in ACTIVE_STATES:
+            return (f"has been {self.state} for over train.stream.requeue_wait_min="
+                    f"{self.cfg.train.stream.requeue_wait_min:g} minutes without serving")  # fmt: skip
+        return f"is {self.state}: it is not coming back"
+
+
 def check_service(
-    spool: Path, service: CaptureService | None, awaited: str, done: str, stall_timeout_s: float, opened: float
+    spool: Path,
+    service: CaptureService | None,
+    awaited: str,
+    done: str,
+    stall_timeout_s: float,
+    opened: float,
+    watch: ServiceJob | None = None,
 ) -> None:
     """Raises `StreamError` naming the service's log when the service a consumer waits on for `awaited` has exited,
     stopped, or given no heartbeat for `stall_timeout_s` (since `opened` before its first). `service`: the one this
-    process started, whose exit is seen at once; else the status tells (its pid on this host)."""
+    process started, whose exit is seen at once; else the status tells (its pid on this host). `watch`: the
+    service's Slurm job: while it is coming back (requeued, pending), the consumer waits instead."""
     status = read_status(spool)
     log = service.log if service else Path(status["log"]) if status else spool / LOG
     proc = service.proc if service else None
@@ -910,18 +1108,31 @@ def check_service(
             f"the capture service (pid {proc.pid}) exited with code {proc.returncode} before {awaited} was {done}; "
             f"its log: {log}\n{_tail(log)}"
         )
-    if status and proc is None and status.get("host") == socket.gethostname() and not _pid_alive(status["pid"]):
-        raise StreamError(
-            f"the capture service (pid {status['pid']}) has exited before {awaited} was {done}; "
-            f"its log: {log}\n{_tail(log)}"
-        )
     if status and status.get("state") == "stopped":
         raise StreamError(
             f"the capture service stopped before {awaited} was {done} (it saw no consumer left, was "
             f"asked to stop, or could not serve every consumer: the log says which); its log: {log}\n{_tail(log)}"
         )
     beat = status["heartbeat"] if status else opened
-    if time.time() - beat > stall_timeout_s:
+    exited = status and proc is None and status.get("host") == socket.gethostname() and not _pid_alive(status["pid"])
+    silent = time.time() - beat > stall_timeout_s
+    if not (exited or silent or (status and status.get("state") == "requeued")):
+        if watch is not None:
+            watch.serving()
+        return
+    if watch is not None:
+        if watch.waits():
+            return
+        raise StreamError(
+            f"the capture service's Slurm job {watch.job_id} {watch.why()}, and {awaited} was not {done}; "
+            f"its log: {log}\n{_tail(log)}"
+        )
+    if exited:
+        raise StreamError(
+            f"the capture service (pid {status['pid']}) has exited before {awaited} was {done}; "
+            f"its log: {log}\n{_tail(log)}"
+        )
+    if silent:
         raise StreamError(
             f"the capture service has given no sign of life for {time.time() - beat:.0f} s "
             f"(train.stream.stall_timeout_s={stall_timeout_s}) while {awaited} was awaited; "
@@ -935,9 +1146,12 @@ class StreamEval:
     (`eval/<consumer>-<n>.request`), which answers them with its capture engine's evaluator on the target it holds
     (`_answer_evals`) once its trainers are done. The tokenizer is read here (it is small)."""
 
-    def __init__(self, spool: Path, consumer: str, layers: list[int], tokenizer, stall_timeout_s: float):
+    def __init__(
+        self, spool: Path, consumer: str, layers: list[int], tokenizer, stall_timeout_s: float, watch=None
+    ):  # fmt: skip
         self.spool, self.consumer, self.layers, self.tokenizer = Path(spool), consumer, list(layers), tokenizer
         self.stall_timeout_s, self.opened, self.sent, self.engine = stall_timeout_s, time.time(), 0, None
+        self.watch = watch  # the service's Slurm job (`ServiceJob`), or None
         declare(self.spool, consumer, 0, 0)
         self.beat = _Beat(self.spool, consumer)
 
@@ -949,7 +1163,8 @@ class StreamEval:
             tmp.write_bytes(pickle.dumps({"kind": kind, "layers": self.layers} | what))
         answer = folder / f"{name}.answer"
         while not answer.exists():
-            check_service(self.spool, None, f"eval's request {name}", "answered", self.stall_timeout_s, self.opened)
+            check_service(self.spool, None, f"eval's request {name}", "answered", self.stall_timeout_s, self.opened,
+                          self.watch)  # fmt: skip
             time.sleep(POLL_S)
         reply = pickle.loads(answer.read_bytes())
         answer.unlink()
@@ -998,8 +1213,10 @@ def open_eval(cfg, plan, layers: list[int], compute):
     ):
         return None
     opened = time.time()  # the service says what it answers before its engine starts: a starting one is waited for
+    watch = ServiceJob.of(cfg, Path(join))
     while "eval_layers" not in (status := read_status(Path(join)) or {}):
-        check_service(Path(join), None, "what it answers eval at", "known", cfg.train.stream.stall_timeout_s, opened)
+        check_service(Path(join), None, "what it answers eval at", "known", cfg.train.stream.stall_timeout_s, opened,
+                      watch)  # fmt: skip
         time.sleep(POLL_S)
     answerable = status["eval_layers"]
     why = None
@@ -1014,7 +1231,7 @@ def open_eval(cfg, plan, layers: list[int], compute):
         return None
     tokenizer = load_tokenizer(Path(plan.target_dir), cfg.target.trust_remote_code, cfg.data.chat_template)
     print(f"[eval] the live target is the capture service's ({join}): it is not loaded again")
-    return StreamEval(Path(join), eval_consumer(plan), layers, tokenizer, cfg.train.stream.stall_timeout_s)
+    return StreamEval(Path(join), eval_consumer(plan), layers, tokenizer, cfg.train.stream.stall_timeout_s, watch)
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -1037,13 +1254,14 @@ def open_stream(cfg, plan, manifest: dict[str, Any], layers: list[int], compute,
         check_shared(spool, compute, "train.stream.join")
         if compute.is_main:
             _check_joinable(spool, cfg, plan)
-            declare(spool, consumer, start_step, total)
+            declare(spool, consumer, start_step, total, ranks=compute.world_size)
             beat = _Beat(spool, consumer)
         compute.barrier()
         start = start_step * cfg.train.batch_size
         return StreamedSplit(
-            spool, size, columns, st.stall_timeout_s, consumer=consumer, start_position=start, beat=beat
-        )
+            spool, size, columns, st.stall_timeout_s, consumer=consumer, start_position=start, beat=beat,
+            rank=compute.rank, batch=cfg.train.batch_size, watch=ServiceJob.of(cfg, spool),
+        )  # fmt: skip
     spool = spool_dir(cfg, Path(plan.dir("train")) / "stream")
     service = None
     if compute.is_main:
@@ -1051,6 +1269,17 @@ def open_stream(cfg, plan, manifest: dict[str, Any], layers: list[int], compute,
     compute.barrier()
     check_shared(spool, compute, "train.stream.spool")
     return StreamedSplit(spool, size, columns, st.stall_timeout_s, service)
+
+
+def read_nothing(cfg, plan, manifest: dict[str, Any]) -> StreamedSplit:
+    """The stream of a training with no step left (a job requeued after its last checkpoint, to export): it declares
+    nothing and reads nothing; its report is the service's status as the spool keeps it."""
+    from orchestrator.states.shards import load_split
+
+    st = cfg.train.stream
+    size = len(load_split(plan.dir("extract"), manifest, "train", verify=False, tokens_only=True))
+    spool = Path(st.join) if st.join is not None else spool_dir(cfg, Path(plan.dir("train")) / "stream")
+    return StreamedSplit(spool, size, None, st.stall_timeout_s)
 
 
 def _check_joinable(spool: Path, cfg, plan) -> None:

@@ -14,7 +14,7 @@
 #SBATCH --output=/shared/runs/kimi_eagle3/jobs/%j_0_log.out
 #SBATCH --partition=gpu
 #SBATCH --qos=normal
-#SBATCH --signal=USR2@90
+#SBATCH --signal=USR2@120
 #SBATCH --time=1440
 #SBATCH --wckey=submitit
 

@@ -16,8 +16,8 @@
 #SBATCH --output=/shared/runs/kimi_eagle3/jobs/%j_0_log.out
 #SBATCH --partition=gpu
 #SBATCH --qos=normal
-#SBATCH --signal=USR2@90
-#SBATCH --time=2880
+#SBATCH --signal=USR2@120
+#SBATCH --time=3840
 #SBATCH --wckey=submitit
 
 # setup

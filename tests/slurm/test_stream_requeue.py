@@ -1,0 +1,165 @@
+"""A streamed training outlives its Slurm allocations (train.states=stream on the real single-node cluster of
+tests/infra/slurm_cluster.sh): the train job at its time limit, the capture service's job requeued, and a trainer
+cancelled for good. Each side asks Slurm about the other where it falls silent: a job requeued or pending is waited
+for, one that ended is not. The requeued runs' drafts equal an uninterrupted run's bit for bit (float32, HF's
+capture, one CPU a job in both).
+
+Skipped unless SLURM_CONF points at a running cluster (scripts/test.sh starts one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slurm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import copy_cache  # noqa: E402
+
+from slurm.test_pipeline_slurm import SLURM_FAST, cli, job_logs, run_jobs, sacct_states, wait_terminal  # noqa: E402
+
+STEPS = 240  # 20 epochs of the FAST split's 12 steps: a training that outlasts the signal of a one-minute limit
+STREAM = [
+    "+experiment=tiny_eagle3",
+    *SLURM_FAST,
+    "stages=[extract,train]",
+    "train.states=stream",
+    f"train.max_steps={STEPS}",
+    "train.checkpoint_every=4",
+    "train.val_every=120",
+    "train.log_every=20",
+    "train.stream.buffer_bytes=300000",
+    "train.stream.stall_timeout_s=10",
+    "cluster.wait=true",
+]
+
+
+def _outputs(fast_cache, folder: Path) -> Path:
+    """A fresh outputs folder with the FAST target and extraction cached: only the stream and the training run."""
+    return copy_cache(fast_cache("extract"), folder)
+
+
+def _draft(outputs: Path) -> dict:
+    summary = json.loads(max(outputs.rglob("summary.json"), key=lambda p: p.stat().st_mtime).read_text())
+    return load_file(str(Path(summary["stages"]["train"]["draft_dir"]) / "model.safetensors"))
+
+
+def _attempts(job_id: str) -> list[str]:
+    """Every attempt of a job as Slurm's accounting keeps them (sacct -D), oldest first."""
+    out = subprocess.run(["sacct", "-n", "-X", "-D", "-P", "-o", "JobID,State", "-j", job_id], capture_output=True,
+                         text=True).stdout  # fmt: skip
+    return [line.split("|")[1].split()[0] for line in out.splitlines() if "|" in line]
+
+
+def _logs(run_dir: Path, job_id: str) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted((run_dir / "jobs").glob(f"{job_id}_0_log.*")))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(fast_cache, tmp_path_factory) -> dict:
+    """The streamed training as Slurm jobs with nothing in its way: the draft every requeued run must equal."""
+    outputs = _outputs(fast_cache, tmp_path_factory.mktemp("uninterrupted") / "outputs")
+    proc = cli(outputs, *STREAM, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _draft(outputs)
+
+
+def _assert_same_draft(outputs: Path, reference: dict) -> None:
+    draft = _draft(outputs)
+    assert sorted(draft) == sorted(reference)
+    differ = [name for name in draft if not draft[name].equal(reference[name])]
+    assert not differ, f"not bit for bit: {differ}"
+
+
+def test_a_streamed_training_at_its_time_limit_is_requeued_resumes_and_trains_the_same_draft(
+    fast_cache, tmp_path, uninterrupted
+):
+    """The train job's limit is one minute; Slurm signals it 30 s before (cluster.signal_delay_s), submitit's
+    handler requeues it, and its consumer keeps its place with the capture service: the service, seeing the
+    trainer silent, asks Slurm, finds its job pending or starting again, and waits (its log says so) instead of
+    stopping. Each start resumes from the last checkpoint and declares its step; the service starts over there."""
+    outputs = _outputs(fast_cache, tmp_path / "outputs")
+    limited = ["train.resources.timeout_min=1", "train.collective_timeout_min=0.5", "cluster.signal_delay_s=30",
+               "cluster.spare_requeues=8"]  # fmt: skip
+    proc = cli(outputs, *STREAM, *limited, timeout=1200)
+    (run_dir,) = (outputs / "runs").glob("*/*")
+    jobs = run_jobs(run_dir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + job_logs(run_dir / "jobs", jobs["train"])
+    attempts = _attempts(jobs["train"])
+    assert attempts[-1] == "COMPLETED" and len(attempts) >= 2, attempts  # requeued at least once, then done
+    train_log = _logs(run_dir, jobs["train"])
+    resumed = [int(s) for s in re.findall(rf"resumed from \S+ at step (\d+)/{STEPS}", train_log)]
+    # each start resumed from the last checkpoint; one after the last (the signal while exporting) reads nothing
+    assert any(0 < s < STEPS for s in resumed) and all(0 < s <= STEPS for s in resumed), train_log[-3000:]
+    assert "timed-out" in train_log, train_log[-3000:]  # Slurm's own signal at the limit, not a pre-emption
+    service_log = _logs(run_dir, jobs["stream"])
+    assert re.search(rf"waiting for {run_dir.name} \(job {jobs['train']} (PENDING|REQUEUED|RUNNING)", service_log), (
+        service_log[-3000:]
+    )
+    last = max(s for s in resumed if s < STEPS)
+    assert f"declared steps [{last}, {STEPS}]: starting over" in service_log, service_log[-3000:]
+    assert "dropped" not in service_log, service_log[-3000:]
+    _assert_same_draft(outputs, uninterrupted)
+
+
+def test_the_capture_service_requeued_mid_epoch_goes_on_where_its_trainer_is(fast_cache, tmp_path, uninterrupted):
+    """`scontrol requeue` on the capture service's job mid-training (its node taken, as pre-emption does): the
+    trainer, finding the service silent, asks Slurm, sees its job requeued and waits; the service starts again under
+    the same job id, reads its consumer's floor, and captures from the step the trainer reads, skipping what it has
+    read; the training finishes with the draft an uninterrupted run trains."""
+    outputs = _outputs(fast_cache, tmp_path / "outputs")
+    env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(outputs)}
+    run = subprocess.Popen([sys.executable, "-m", "orchestrator", *STREAM], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    checkpoint = None
+    deadline = time.monotonic() + 600
+    while checkpoint is None:
+        assert time.monotonic() < deadline and run.poll() is None, "no checkpoint before the requeue"
+        checkpoint = next(iter(outputs.glob("cache/train/*/checkpoints/latest.pt")), None)
+        time.sleep(0.5)
+    (run_dir,) = (outputs / "runs").glob("*/*")
+    jobs = run_jobs(run_dir)
+    subprocess.run(["scontrol", "requeue", jobs["stream"]], check=True)
+    out, _ = run.communicate(timeout=900)
+    assert run.returncode == 0, out[-3000:] + job_logs(run_dir / "jobs", jobs["stream"])
+    assert len(_attempts(jobs["stream"])) >= 2, _attempts(jobs["stream"])
+    train_log = _logs(run_dir, jobs["train"])
+    assert f"waiting for the capture service's job {jobs['stream']}" in train_log, train_log[-3000:]
+    assert "resumed from" not in train_log, train_log[-3000:]  # the trainer itself was never stopped
+    service_log = _logs(run_dir, jobs["stream"])
+    floor = re.search(r"the consumers read from step (\d+) on", service_log)
+    assert floor and 0 < int(floor.group(1)) < STEPS, service_log[-3000:]
+    assert service_log.count("[stream] capturing") == 2, service_log[-3000:]  # once a start
+    _assert_same_draft(outputs, uninterrupted)
+
+
+def test_a_trainer_cancelled_for_good_stops_the_service_within_minutes_naming_it(fast_cache, tmp_path):
+    """`scancel` on the train job: it never comes back. The service, finding its consumer silent, asks Slurm, finds
+    the job CANCELLED, drops it naming the job and its state, and ends: its nodes are not held for
+    train.stream.requeue_wait_min."""
+    outputs = _outputs(fast_cache, tmp_path / "outputs")
+    env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(outputs)}
+    run = subprocess.Popen([sys.executable, "-m", "orchestrator", *STREAM], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    deadline = time.monotonic() + 600
+    while not list(outputs.glob("cache/train/*/checkpoints/latest.pt")):
+        assert time.monotonic() < deadline and run.poll() is None, "no checkpoint before the cancel"
+        time.sleep(0.5)
+    (run_dir,) = (outputs / "runs").glob("*/*")
+    jobs = run_jobs(run_dir)
+    subprocess.run(["scancel", "--full", jobs["train"]], check=True)
+    cancelled = time.monotonic()
+    states = wait_terminal([jobs["stream"]], timeout=180)
+    assert time.monotonic() - cancelled < 120, (states, sacct_states([jobs["stream"]]))
+    run.communicate(timeout=120)
+    service_log = _logs(run_dir, jobs["stream"])
+    assert f"consumer {run_dir.name}: its job {jobs['train']} is CANCELLED: dropped" in service_log, service_log[-3000:]
+    assert "every trainer has ended: stopping" in service_log, service_log[-3000:]
