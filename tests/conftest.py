@@ -23,6 +23,7 @@ compute.flush_denormals()
 # own reorder puts the files with the most tests first, and these have few).
 LONGEST_FIRST = (
     "slurm/test_pipeline_slurm.py",
+    "slurm/test_stream_requeue.py",
     "test_stream.py",
     "test_vllm.py",
     "test_search.py",
