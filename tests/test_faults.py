@@ -99,7 +99,7 @@ def test_a_job_longer_than_the_partition_allows_is_split_where_it_resumes_and_re
     checkpoint; its Slurm job asks the partition's longest, with submitit's requeue budget for every allocation. An
     eval, which starts over, asking more is refused before any job, naming both keys (sbatch would refuse it or
     leave it PENDING on PartitionTimeLimit). kimi_eagle3_vllm on a 24-hour partition: every job fits, its training
-    in 2 allocations, its capture service in 3, with their GPU-hours."""
+    in 3 allocations, its capture service in 3, with their GPU-hours."""
     import submitit
 
     from orchestrator import runner

@@ -152,8 +152,12 @@ def test_the_kimi_dry_run_prices_the_server_starts_the_serve_cache_saves(tmp_pat
     """40 trials share one baseline: 39 target start-ups saved, each 8 minutes on 8 GPUs (serve.startup_estimate_min,
     its sources in conf/experiment/kimi_eagle3.yaml): 5.2 h, 42 GPU-hours. Without an estimate, counted only."""
     kimi = {"experiment": "kimi_eagle3", "space": "kimi_k25"}
-    # the union of 60 candidate layers stores the validation split's states (the train split's stream): 7,925 GB at
-    # the recipes' scale, on a disk that holds them
+    # the union of 60 candidate layers stores the validation split's states (the train split's stream): 7,907.3 GB
+    # at the recipes' scale, over the default extract.max_bytes (docs/experiments.md), and on a disk that holds them
+    assert search.main(compose_search(tmp_path, "dry_run=true", **kimi)) != 0
+    refused = capsys.readouterr()
+    assert "(60 layers [-1, 1, 2," in refused.err + refused.out
+    assert "at most 7,907.3 GB, over extract.max_bytes=2,000.0 GB; 14 layers fit" in refused.err + refused.out
     assert search.main(compose_search(tmp_path, "dry_run=true", "extract.max_bytes=8e12", **kimi)) == 0
     out = capsys.readouterr().out
     assert "they start 40 speculative servers and one baseline" in out and "not 80: 39 target start-ups" in out, out
