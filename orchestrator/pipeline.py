@@ -633,7 +633,7 @@ def run_pipeline(
                     entry is todo[-1],
                     dependency=[dependency] if dependency else None,
                     after_start=after_start,
-                    resumes=stage in RESUMING,
+                    resumes=stage in runner.RESUMING,
                 )
                 finalizer = job if entry is todo[-1] else finalizer
                 if after_start:  # the service watches the job that will read from it
@@ -680,11 +680,6 @@ def run_pipeline(
             service.stop()
     print_summary(summary)
     return summary
-
-
-# the stages whose job resumes where it stopped when Slurm requeues it: one longer than the partition allows runs as
-# several allocations (`runner.executor`); eval and serve start over, so each must fit one (`preflight`)
-RESUMING = ("extract", "train")
 
 
 def eval_in_service(cfg: RootConfig, stages: list[str]) -> bool:

@@ -22,7 +22,7 @@ from orchestrator.artifacts import MANIFEST, read_json
 from orchestrator.compute import resolve_precision
 from orchestrator.config import RootConfig, tasks_per_node
 from orchestrator.estimates import extract_storage, storage_terms
-from orchestrator.runner import partition_max_time, site_max_time, slurm_minutes  # noqa: F401 (the dry run's)
+from orchestrator.runner import RESUMING, allocations, partition_max_time, site_max_time, slurm_minutes  # noqa: F401
 from orchestrator.targets import quantization_of
 
 CATEGORIES = (
@@ -282,9 +282,6 @@ def time_limit_findings(cfg: RootConfig) -> list[Finding]:
     `pipeline.submit_stream_service`) and asks more is planned as several allocations of the partition's longest,
     each requeued at its limit (`runner.executor`); eval and serve, which start over, must fit one: sbatch refuses
     such a job, or it stays PENDING on PartitionTimeLimit."""
-    from orchestrator.pipeline import RESUMING
-    from orchestrator.runner import allocations
-
     if cfg.cluster.kind != "slurm":
         return []
     most, source = site_max_time(cfg.cluster)

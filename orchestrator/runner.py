@@ -121,6 +121,9 @@ def partition_max_time(partition: str | None) -> tuple[int | None, str] | None:
     return None
 
 
+# the stages whose job resumes where it stopped when Slurm requeues it: one longer than the partition allows runs as
+# several allocations (`executor`); eval and serve start over, so each must fit one (`preflight`)
+RESUMING = ("extract", "train")
 _SINFO: dict[str | None, tuple[int | None, str] | None] = {}
 
 
