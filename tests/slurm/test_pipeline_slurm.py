@@ -485,6 +485,20 @@ def run_jobs(run_dir: Path) -> dict[str, str]:
     return {name.rsplit("-", 1)[-1]: job for job, name in (line.split("|") for line in out.splitlines() if "|" in line)}
 
 
+def started_until_checkpoint(outputs: Path, args: list[str], before: str) -> tuple[subprocess.Popen, Path, dict]:
+    """The command with `args` started in the background on `outputs`, once its training has written a checkpoint:
+    (the process, its run folder, its jobs by name). `before`: what the checkpoint must come before, for the error."""
+    env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(outputs)}
+    run = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    deadline = time.monotonic() + 600
+    while not list(outputs.glob("cache/train/*/checkpoints/latest.pt")):
+        assert time.monotonic() < deadline and run.poll() is None, f"no checkpoint before {before}"
+        time.sleep(0.5)
+    (run_dir,) = (outputs / "runs").glob("*/*")
+    return run, run_dir, run_jobs(run_dir)
+
+
 def test_a_capture_service_job_of_its_own_killed_fails_the_training_naming_its_log_and_the_rerun_resumes(
     slurm_outputs,
 ):
@@ -498,15 +512,7 @@ def test_a_capture_service_job_of_its_own_killed_fails_the_training_naming_its_l
     args = ["+experiment=tiny_eagle3", *SLURM_FAST, f"train.max_steps={steps}", "train.checkpoint_every=2",
             "stages=[extract,train]", "train.states=stream", "train.stream.buffer_bytes=300000",
             "train.stream.stall_timeout_s=15", "cluster.wait=true"]  # fmt: skip
-    env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(slurm_outputs)}
-    run = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
-    deadline = time.monotonic() + 600
-    while not list(slurm_outputs.glob("cache/train/*/checkpoints/latest.pt")):
-        assert time.monotonic() < deadline and run.poll() is None, "no checkpoint before the kill"
-        time.sleep(0.5)
-    (run_dir,) = (slurm_outputs / "runs").glob("*/*")
-    jobs = run_jobs(run_dir)
+    run, run_dir, jobs = started_until_checkpoint(slurm_outputs, args, "the kill")
     service, trainer = jobs["stream"], jobs["train"]
     killed = time.monotonic()
     subprocess.run(["scancel", "--signal=KILL", "--full", service], check=True)

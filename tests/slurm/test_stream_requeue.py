@@ -9,7 +9,6 @@ Skipped unless SLURM_CONF points at a running cluster (scripts/test.sh starts on
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -24,7 +23,15 @@ pytestmark = pytest.mark.slurm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import copy_cache  # noqa: E402
 
-from slurm.test_pipeline_slurm import SLURM_FAST, cli, job_logs, run_jobs, sacct_states, wait_terminal  # noqa: E402
+from slurm.test_pipeline_slurm import (  # noqa: E402
+    SLURM_FAST,
+    cli,
+    job_logs,
+    run_jobs,
+    sacct_states,
+    started_until_checkpoint,
+    wait_terminal,
+)
 
 STEPS = 240  # 20 epochs of the FAST split's 12 steps: a training that outlasts the signal of a one-minute limit
 STREAM = [
@@ -120,17 +127,7 @@ def test_the_capture_service_requeued_mid_epoch_goes_on_where_its_trainer_is(fas
     the same job id, reads its consumer's floor, and captures from the step the trainer reads, skipping what it has
     read; the training finishes with the draft an uninterrupted run trains."""
     outputs = _outputs(fast_cache, tmp_path / "outputs")
-    env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(outputs)}
-    run = subprocess.Popen([sys.executable, "-m", "orchestrator", *STREAM], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
-    checkpoint = None
-    deadline = time.monotonic() + 600
-    while checkpoint is None:
-        assert time.monotonic() < deadline and run.poll() is None, "no checkpoint before the requeue"
-        checkpoint = next(iter(outputs.glob("cache/train/*/checkpoints/latest.pt")), None)
-        time.sleep(0.5)
-    (run_dir,) = (outputs / "runs").glob("*/*")
-    jobs = run_jobs(run_dir)
+    run, run_dir, jobs = started_until_checkpoint(outputs, STREAM, "the requeue")
     subprocess.run(["scontrol", "requeue", jobs["stream"]], check=True)
     out, _ = run.communicate(timeout=900)
     assert run.returncode == 0, out[-3000:] + job_logs(run_dir / "jobs", jobs["stream"])
@@ -151,15 +148,7 @@ def test_a_trainer_cancelled_for_good_stops_the_service_within_minutes_naming_it
     the job CANCELLED, drops it naming the job and its state, and ends: its nodes are not held for
     train.stream.requeue_wait_min."""
     outputs = _outputs(fast_cache, tmp_path / "outputs")
-    env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(outputs)}
-    run = subprocess.Popen([sys.executable, "-m", "orchestrator", *STREAM], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
-    deadline = time.monotonic() + 600
-    while not list(outputs.glob("cache/train/*/checkpoints/latest.pt")):
-        assert time.monotonic() < deadline and run.poll() is None, "no checkpoint before the cancel"
-        time.sleep(0.5)
-    (run_dir,) = (outputs / "runs").glob("*/*")
-    jobs = run_jobs(run_dir)
+    run, run_dir, jobs = started_until_checkpoint(outputs, STREAM, "the cancel")
     subprocess.run(["scancel", "--full", jobs["train"]], check=True)
     cancelled = time.monotonic()
     states = wait_terminal([jobs["stream"]], timeout=180)
