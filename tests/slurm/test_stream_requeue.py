@@ -33,7 +33,7 @@ from slurm.test_pipeline_slurm import (  # noqa: E402
     wait_terminal,
 )
 
-STEPS = 240  # 20 epochs of the FAST split's 12 steps: a training that outlasts the signal of a one-minute limit
+STEPS = 120  # 10 epochs of the FAST split's 12 steps: a training that outlasts the signal of a one-minute limit
 STREAM = [
     "+experiment=tiny_eagle3",
     *SLURM_FAST,
@@ -41,7 +41,7 @@ STREAM = [
     "train.states=stream",
     f"train.max_steps={STEPS}",
     "train.checkpoint_every=4",
-    "train.val_every=120",
+    f"train.val_every={STEPS}",
     "train.log_every=20",
     "train.stream.buffer_bytes=300000",
     # the first epoch's states kept in the spool and replayed (the FAST split's is about 16 MB): the service captures
