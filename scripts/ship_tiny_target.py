@@ -44,7 +44,9 @@ def main() -> None:
         shutil.rmtree(dest, ignore_errors=True)
         part.rename(dest)
     report = load_build_report(dest)
-    print(f"kept {dest} ({REPORT_NAME}: {report['environment']['cpu']}, heldout loss {report['heldout_loss']:.4f})")
+    size_mb = sum(f.stat().st_size for f in dest.iterdir()) / 1e6
+    print(f"kept {dest}, {size_mb:.1f} MB ({REPORT_NAME}: {report['environment']['cpu']}, "
+          f"heldout loss {report['heldout_loss']:.4f})")  # fmt: skip
 
 
 if __name__ == "__main__":

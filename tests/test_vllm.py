@@ -409,6 +409,7 @@ def test_an_extraction_by_vllm_equals_the_hf_extraction(vllm_python, fast_cache,
             assert torch.equal(hf[key], vllm[key]), (shard, key)
         for key in ("aux_hidden_states", "teacher_hidden_state"):
             worst = max(worst, float((hf[key] - vllm[key]).abs().max() / hf[key].abs().max()))
+    print(f"{len(shards)} shards; vLLM's states differ from HF's by {worst:.1e} at most")
     assert worst < 1e-4, worst
 
 
