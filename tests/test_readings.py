@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from orchestrator import preflight
 from orchestrator.artifacts import read_json
@@ -187,3 +189,69 @@ def test_train_from_draft_names_the_key_when_no_draft_is_there(tiny_config, tmp_
 
     with pytest.raises(ConfigError, match=r"train.from_draft=.*: no draft there"):
         tiny_config(f"train.from_draft={tmp_path / 'nothing'}")
+
+
+class _Probe(torch.nn.Module):
+    """A draft whose first step is a least-squares fit, from the target's states at its layers and the next token, to
+    the target's next logits: everything it knows comes from those layers, so fed another layer's states it is
+    measurably worse. It answers `unroll` as the project's drafts do, for `readings.score`."""
+
+    def __init__(self, weight: torch.Tensor, hidden: int, num_aux: int, vocab: int):
+        super().__init__()
+        self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.long))  # the draft vocabulary is the target's
+        self.fc = torch.nn.Linear(num_aux * hidden, hidden, bias=False)  # its shape tells the count of aux layers
+        self.shape = SimpleNamespace(target_hidden_size=hidden)
+        self.weight, self.vocab = weight, vocab
+
+    def features(self, aux: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        return torch.cat([aux, torch.nn.functional.one_hot(next_ids, self.vocab).to(aux.dtype)], dim=-1)
+
+    def unroll(self, aux, ids, valid, steps):
+        logits = self.features(aux[0], ids[0]) @ self.weight
+        return SimpleNamespace(tokens=[logits.argmax(-1)[None]], logits=[logits[None]])
+
+
+def _tiny_random_llama(num_layers: int, hidden: int, vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    # large initial weights (0.3): each layer moves the states far from the last one's
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, initializer_range=0.3)  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def test_the_search_names_the_layers_a_constructed_draft_depends_on_and_fails_if_every_reading_got_the_same_states():
+    """The positive case the demo's draft cannot give (on the tiny target neighbouring layers' states barely differ):
+    a random 8-layer Llama whose layers move the states far, and a probe fitted on 60 sequences to its states at
+    [2, 4, 6]. The draft config is read with vLLM's convention (the state entering each layer), [1, 3, 5]; the
+    search tries it shifted by one either way, scores 40 other sequences under each, and must name [2, 4, 6] by
+    more than 3 standard errors, with [0, 2, 4] and [1, 3, 5] clearly above it. A scorer that fed every reading
+    the same states would give them all the same loss_0 and name none."""
+    from orchestrator.capture import HiddenStateCapture
+
+    n, hidden, vocab, trained = 8, 32, 48, (2, 4, 6)
+    model = _tiny_random_llama(n, hidden, vocab)
+    generator = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(0, vocab, (24,), generator=generator).tolist() for _ in range(100)]
+    features, targets = [], []
+    probe = _Probe(torch.zeros(0), hidden, len(trained), vocab)
+    with torch.no_grad(), HiddenStateCapture(model, trained) as capture:
+        for ids in sequences[:60]:
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+            features.append(probe.features(capture.aux()[0][:-1], torch.tensor(ids[1:])))
+            targets.append(logits[1:])
+            capture.clear()
+    x, y = torch.cat(features), torch.cat(targets)
+    ridge = 1e-3 * torch.eye(x.shape[1])
+    probe.weight = torch.linalg.solve(x.T @ x + ridge, x.T @ y)
+
+    read = readings.Reading("vllm", "0.32.0", "V1", "eagle_config", (2, 4, 6), (1, 3, 5))
+    scored = [(ids, [0] * 4 + [1] * (len(ids) - 4)) for ids in sequences[60:]]
+    found = readings.find_trained(model, probe, [read], n, scored, torch.device("cpu"))
+    losses = {tuple(row["layers"]): row["loss_0"] for row in found["rows"]}
+    assert set(losses) == {(0, 2, 4), (1, 3, 5), (2, 4, 6)}, losses
+    assert found["found"] == [2, 4, 6], (found["why"], losses)
+    print(found["why"], losses)
+    assert min(losses[(0, 2, 4)], losses[(1, 3, 5)]) > 1.01 * losses[(2, 4, 6)], losses
