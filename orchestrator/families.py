@@ -11,6 +11,11 @@ entry. Adding a family is one entry here (and its rules in each engine, if its c
                        in its checkpoint: what training's teacher head and an imported draft's embedding read
     mla                its attention is DeepSeek's multi-head latent attention: an engine runs it with MLA kernels
                        (on a CPU, vLLM's are chosen by name: orchestrator/engines/vllm/cli.py, cpu_flags)
+    embedding_lookup   its embedding output (canonical layer -1) is `embed_tokens(input_ids)`, the checkpoint's
+                       table rows as stored, nothing scaled or added (transformers 5.24: LlamaModel.forward and
+                       DeepseekV3Model.forward, `inputs_embeds = self.embed_tokens(input_ids)`; Gemma's, which
+                       multiplies by sqrt(hidden), would not be): where an engine cannot capture it, the project
+                       computes it from the table (orchestrator/engines/vllm/ids.py, `engine_layers`)
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class Family:
     wrapper: str | None = None
     head_tensors: tuple[tuple[str, str], ...] = HF_HEAD_TENSORS
     mla: bool = False
+    embedding_lookup: bool = True
 
     def __post_init__(self) -> None:  # an entry whose loop no engine has a rule for fails where it is written
         if self.decoder_loop not in LOOPS:

@@ -116,8 +116,11 @@ def stage_keys(cfg: RootConfig) -> dict[str, str]:
     data.pop("min_loss_fraction")  # a check, not an input
     if not cfg.data.regenerate.enabled:  # the settings of a regeneration that does not run decide nothing
         data["regenerate"] = {"enabled": False}
-    elif cfg.data.regenerate.turns == 1:  # the first turn alone: the keys of runs made before turns existed stay
-        data["regenerate"].pop("turns")
+    else:
+        if cfg.data.regenerate.turns == 1:  # the first turn alone: the keys of runs made before turns existed stay
+            data["regenerate"].pop("turns")
+        if cfg.data.regenerate.top_p == 1.0:  # the whole distribution: the keys of runs made before top_p stay
+            data["regenerate"].pop("top_p")
     keys: dict[str, str] = {}
     keys["extract"] = stable_hash(
         {"target": target, "data": data, "extract": extract, "seed": cfg.seed, "code": CODE_VERSION["extract"]}

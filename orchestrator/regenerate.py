@@ -186,7 +186,7 @@ def hf_responses(model, tokenizer, prompts: list[list[int]], max_len: int, r, se
         sampling = (
             {"do_sample": False}
             if r.temperature == 0
-            else {"do_sample": True, "temperature": r.temperature, "top_k": 0, "top_p": 1.0}
+            else {"do_sample": True, "temperature": r.temperature, "top_k": 0, "top_p": r.top_p}
         )
         if r.temperature > 0:
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator_seed)))
@@ -222,6 +222,7 @@ def server_responses(
             sampling["stop_token_ids"] = [eos]
         if seeds[i] is not None:
             sampling["sampling_seed"] = seeds[i]
+            sampling["top_p"] = r.top_p
         try:
             return client.output_ids(url, prompts[i], sampling, r.api, endpoint.request_timeout, model_name)
         except client.EndpointError as exc:

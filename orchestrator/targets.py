@@ -271,12 +271,15 @@ def target_config_json(path: Path) -> dict[str, Any]:
     return conf.get("text_config", conf)
 
 
-def load_head_tensors(path: Path, family: str | None = None) -> dict[str, "torch.Tensor"]:
+def load_head_tensors(
+    path: Path, family: str | None = None, only: tuple[str, ...] | None = None, as_stored: bool = False
+) -> dict[str, "torch.Tensor"]:
     """The target's input embedding, final norm and lm_head weights, read by name without loading the model: the
     names of `family`'s spec (orchestrator/families.py; HF's where no family is given).
 
-    Returns keys `embed`, `norm`, `lm_head` (float32); `lm_head` falls back to `embed` for tied embeddings. In a
-    wrapper checkpoint only the text model's weights (`language_model.*` for Kimi-K2.5) are candidates.
+    Returns keys `embed`, `norm`, `lm_head` (float32, or in their stored dtype `as_stored`; `only` those named);
+    `lm_head` falls back to `embed` for tied embeddings. In a wrapper checkpoint only the text model's weights
+    (`language_model.*` for Kimi-K2.5) are candidates.
     """
     from safetensors import safe_open
 
@@ -286,14 +289,17 @@ def load_head_tensors(path: Path, family: str | None = None) -> dict[str, "torch
     wrapper = wrappers.wrapper_of(wrappers.read_config(path)) if has_config else None
     prefix = wrapper.prefix if wrapper else ""
     wanted = dict(families.FAMILIES[family].head_tensors if family else families.HF_HEAD_TENSORS)
+    if only is not None:
+        wanted = {name: suffix for name, suffix in wanted.items() if name in only}
     found: dict[str, torch.Tensor] = {}
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 for name, suffix in wanted.items():
                     if name not in found and key.startswith(prefix) and key.endswith(suffix) and "mtp" not in key:
-                        found[name] = f.get_tensor(key).float()
-    if "lm_head" not in found and "embed" in found:
+                        tensor = f.get_tensor(key)
+                        found[name] = tensor if as_stored else tensor.float()
+    if "lm_head" in wanted and "lm_head" not in found and "embed" in found:
         found["lm_head"] = found["embed"]
     missing = [n for n in wanted if n not in found]
     if missing:

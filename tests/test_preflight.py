@@ -407,23 +407,61 @@ def test_every_engine_environment_is_there_and_a_cpu_build_is_refused_for_a_gpu_
 
 
 def test_kimi_k25s_checkpoint_as_shipped_passes_the_checks_before_any_job(tiny_config, tmp_path):
-    """+experiment=kimi_eagle3_vllm on a checkpoint in Kimi-K2.5's layout (INT4 included, tiktoken.model for
-    tokenizer) with CUDA builds of vLLM and SGLang: every check of the checkpoint and the environments passes."""
+    """+experiment=kimi_eagle3 (the seed's [-1, 2, 30]) on a checkpoint in Kimi-K2.5's layout (INT4 included,
+    tiktoken.model for tokenizer, every tensor's real header) with CUDA builds of vLLM and SGLang: every check of the
+    checkpoint and the environments passes; the memory checks are computed on the 595.1 GB the headers declare."""
     from conftest import fake_engine_env, kimi_checkpoint
 
     kimi = kimi_checkpoint(tmp_path / "Kimi-K2.5")
     engines_env = fake_engine_env(tmp_path / "env", vllm="0.32.0", sglang="0.5.23")
-    cfg = tiny_config(f"target.path={kimi}", f"extract.python={engines_env}", f"serve.python={engines_env}",
-                      experiment="kimi_eagle3_vllm", fast=False)  # fmt: skip
+    here = [f"target.path={kimi}", f"extract.python={engines_env}", f"serve.python={engines_env}"]
+    cfg = tiny_config(*here, experiment="kimi_eagle3", fast=False)
     findings = preflight.config_findings(cfg)
     assert preflight.failures(findings) == []
     assert {f.category for f in findings} >= {"target", "tokenizer", "engine environment"}
     # vLLM captures the INT4 checkpoint as shipped, and eval's live target is vLLM's extractor (eval.engine=vllm):
-    # no stage loads it with HF, so every stage's memory check passes
+    # no stage loads it with HF, and 595.1 GB fit a node of 8 H200s (the tests' cluster.gpu_memory_gb, 141)
     memory = preflight.memory_findings(cfg, kimi)
     assert cfg.eval.engine == "vllm" and preflight.failures(memory) == [], [str(f) for f in memory]
     assert {f.message.split(":")[0] for f in memory} >= {"extract", "eval"}
-    hf_eval = tiny_config(f"target.path={kimi}", f"extract.python={engines_env}", f"serve.python={engines_env}",
-                          "eval.engine=hf", experiment="kimi_eagle3_vllm", fast=False)  # fmt: skip
+    assert all("target weights 595.1 GB in bfloat16 (compressed-tensors tensors as stored" in f.message
+               for f in memory), [f.message for f in memory]  # fmt: skip
+    hf_eval = tiny_config(*here, "eval.engine=hf", experiment="kimi_eagle3", fast=False)
     [refused] = preflight.failures(preflight.memory_findings(hf_eval, kimi))
     assert refused.message.startswith("eval: the target at") and "quantized (compressed-tensors)" in refused.message
+
+
+def test_the_kimi_memory_checks_read_the_checkpoints_real_shapes_and_refuse_gpus_too_small(tiny_config, tmp_path):
+    """The tests' Kimi-K2.5 is its weight report's 208,550 tensors in 64 files (tests/data/targets/SOURCES.md), each
+    header as shipped and no data: their sizes add up to the report's 554.27 GiB, which the memory check reads as
+    595.1 GB. A node of 8 H200s (141 GB) holds them; 8 H100s (80 GB, 85% of each for weights: 544 GB) do not, nor a
+    GPU given a few bytes; a bf16 copy (2,053.8 GB) fits no node, which the check names with the GPUs it needs."""
+    from conftest import fake_engine_env, kimi_checkpoint
+
+    from orchestrator.targets import safetensors_header, weight_bytes
+
+    kimi = kimi_checkpoint(tmp_path / "Kimi-K2.5")
+    files = sorted(kimi.glob("*.safetensors"))
+    headers = [safetensors_header(f) for f in files]
+    assert len(files) == 64 and sum(len(h) for h in headers) == 208_550
+    stored = sum(e["data_offsets"][1] - e["data_offsets"][0] for h in headers for e in h.values())
+    assert round(stored / 2**30, 2) == 554.27, stored
+    assert sum(f.stat().st_size for f in files) < 40e6, "headers only, no data"
+    assert round(weight_bytes(kimi, "bfloat16") / 1e9, 1) == 595.1
+
+    engines_env = fake_engine_env(tmp_path / "env", vllm="0.32.0", sglang="0.5.23")
+    envs = [f"extract.python={engines_env}", f"serve.python={engines_env}"]
+
+    def refused(*overrides: str, checkpoint=kimi) -> list[str]:
+        cfg = tiny_config(f"target.path={checkpoint}", *envs, *overrides, experiment="kimi_eagle3", fast=False)
+        return [f.message + " Fix: " + f.fix for f in preflight.failures(preflight.memory_findings(cfg, checkpoint))]
+
+    assert refused("cluster.gpu_memory_gb=141") == []
+    h100 = refused("cluster.gpu_memory_gb=80")
+    assert [m.split(":")[0] for m in h100] == ["extract", "eval"], h100
+    assert "595.1 GB" in h100[0] and "the weights need 9 GPUs of 80 GB, more than a node's 8" in h100[0], h100
+    assert len(refused("cluster.gpu_memory_gb=0.0000001")) == 2  # a GPU of 100 bytes
+    bf16 = kimi_checkpoint(tmp_path / "Kimi-K2.5-bf16", quantized=False)
+    assert round(weight_bytes(bf16, "bfloat16") / 1e9, 1) == 2053.8  # every expert as the bf16 weight it packs
+    whole = refused("target.quantization=null", "cluster.gpu_memory_gb=141", checkpoint=bf16)
+    assert whole and all("the weights need 18 GPUs of 141 GB" in m for m in whole), whole

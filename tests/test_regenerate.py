@@ -349,3 +349,19 @@ def test_an_extraction_of_other_layers_reuses_the_targets_answers(fast_cache, tm
     other = compose_config(outputs, "data.regenerate.max_new_tokens=16")
     assert stage_keys(other)["regenerated"] != first.stage_keys["regenerated"]
     assert "regenerated" not in stage_keys(compose_config(outputs, "data.regenerate.enabled=false"))
+
+
+def test_kimi_samples_its_answers_as_it_is_served_and_the_sampling_keys_the_answers(tmp_path):
+    """kimi_eagle3 regenerates at Moonshot's thinking-mode settings (temperature 1.0, top_p 0.95), each request
+    seeded; the answers' cache key covers top_p. A top_p outside (0, 1] is refused naming the key."""
+    from orchestrator.pipeline import stage_keys
+
+    cfg = compose_root(["+experiment=kimi_eagle3"])
+    r = cfg.data.regenerate
+    assert (r.temperature, r.top_p) == (1.0, 0.95)
+    sampled = ["+experiment=tiny_eagle3", "data.regenerate.enabled=true", "data.regenerate.engine=server",
+               "data.regenerate.temperature=0.7", "serve=sglang"]  # fmt: skip
+    keys = {p: stage_keys(compose_root([*sampled, f"data.regenerate.top_p={p}"])) for p in (0.95, 1.0)}
+    assert keys[0.95]["regenerated"] != keys[1.0]["regenerated"] and keys[0.95]["extract"] != keys[1.0]["extract"]
+    with pytest.raises(ConfigError, match=r"data\.regenerate\.top_p=1\.5: expected in \(0, 1\]"):
+        compose_root(["+experiment=tiny_eagle3", "data.regenerate.top_p=1.5"])

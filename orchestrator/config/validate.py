@@ -235,6 +235,7 @@ def validate(cfg: RootConfig) -> None:
     check(r.max_new_tokens >= 1, f"data.regenerate.max_new_tokens={r.max_new_tokens}: expected >= 1")
     check(r.turns is None or r.turns >= 1, f"data.regenerate.turns={r.turns}: expected >= 1, or null for every turn")
     check(r.temperature >= 0, f"data.regenerate.temperature={r.temperature}: expected >= 0 (0 = greedy)")
+    check(0 < r.top_p <= 1, f"data.regenerate.top_p={r.top_p}: expected in (0, 1] (1 = the whole distribution)")
     check(r.batch_size >= 1, f"data.regenerate.batch_size={r.batch_size}: expected >= 1")
     check_regenerate(cfg)
     check(

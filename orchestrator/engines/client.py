@@ -206,8 +206,8 @@ def output_ids(
 ) -> list[int]:
     """The token ids an endpoint generates after `prompt`, as it returns them (never re-tokenised text).
 
-    `sampling`: max_new_tokens, temperature, stop_token_ids and, optionally, sampling_seed, in SGLang's names;
-    the completions API gets them in OpenAI's (max_tokens, seed)."""
+    `sampling`: max_new_tokens, temperature, stop_token_ids and, optionally, sampling_seed and top_p, in SGLang's
+    names; the completions API gets them in OpenAI's (max_tokens, seed, top_p)."""
     if api == "generate":
         path, payload = "/generate", {"input_ids": prompt, "sampling_params": sampling}
     elif api == "completions":
@@ -219,6 +219,7 @@ def output_ids(
             "temperature": sampling["temperature"],
             "stop_token_ids": sampling.get("stop_token_ids"),
             "seed": sampling.get("sampling_seed"),
+            "top_p": sampling.get("top_p", 1.0),
             "return_token_ids": True,
         }
     else:

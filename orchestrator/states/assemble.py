@@ -1,7 +1,8 @@
 """An engine's raw per-layer output to `SequenceStates`, in one place for every capture engine: the check that the
-states are of the tokens sent, the target's final norm where the engine captured the last layer before it, and the
-extraction's dtype. HF's hooks (orchestrator/engines/hf/) and vLLM's extractor (orchestrator/engines/vllm/capture.py)
-differ only in what they hand in."""
+states are of the tokens sent, the target's final norm where the engine captured the last layer before it, the
+embedding output where the engine has no id for it (taken from the checkpoint's table), and the extraction's dtype.
+HF's hooks (orchestrator/engines/hf/) and vLLM's extractor (orchestrator/engines/vllm/capture.py) differ only in what
+they hand in."""
 
 from __future__ import annotations
 
@@ -22,10 +23,20 @@ def rms_norm(state: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 class Assembler:
     """Turns one sequence's captured states into `SequenceStates` in `dtype` (an `extract.dtype` name). With `norm`
     (the final norm's weight, and `eps`), the teacher is handed in as the last layer's raw output and normed here,
-    as the target's model norms it; without, it is handed in as the teacher already is."""
+    as the target's model norms it; without, it is handed in as the teacher already is. With `embed` (the
+    checkpoint's embedding table, as stored), the aux states are handed in without the embedding output, and its
+    rows at the sequence's tokens go first: the state a family whose embedding is a plain look-up computes there
+    (`families.Family.embedding_lookup`), to the last bit."""
 
-    def __init__(self, dtype: str, norm: torch.Tensor | None = None, eps: float = 1e-6):
-        self.dtype, self.norm, self.eps = DTYPES[dtype], norm, eps
+    def __init__(
+        self, dtype: str, norm: torch.Tensor | None = None, eps: float = 1e-6, embed: torch.Tensor | None = None
+    ):
+        self.dtype, self.norm, self.eps, self.embed = DTYPES[dtype], norm, eps, embed
+
+    @property
+    def computed(self) -> int:
+        """How many of the aux layers this assembler computes rather than receives (the embedding output, or none)."""
+        return int(self.embed is not None)
 
     def sequence(
         self,
@@ -45,6 +56,10 @@ class Assembler:
         ):
             raise ArtifactError(f"{where or 'a capture'} holds the states of other tokens than were sent")
         aux, teacher = aux[:length], teacher[:length]
+        if self.embed is not None:
+            ids = torch.tensor(rendered.input_ids, dtype=torch.long)
+            hidden = self.embed.shape[1]
+            aux = torch.cat([self.embed[ids].to(aux.dtype)[:, None], aux.reshape(length, -1, hidden)], dim=1)
         if self.norm is not None:
             teacher = rms_norm(teacher.float(), self.norm, self.eps)
         return SequenceStates(

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from typing import Any
 
+from orchestrator import families
+from orchestrator import layers as layer_contract
 from orchestrator.config.schema import ConfigError, captured_layers, one_pass, tasks_per_node
 from orchestrator.engines import CaptureJob, Capturing, Serving
 from orchestrator.engines.vllm import capture, cli
-from orchestrator.engines.vllm.ids import capture_ids, vllm_config_ids, vllm_rule
+from orchestrator.engines.vllm.ids import capture_ids, engine_layers, vllm_config_ids, vllm_rule
 from orchestrator.layers import LayerContractError
 
 
@@ -109,7 +112,7 @@ class VLLM(Serving, Capturing):
             "ids": capture_ids(cfg, layers),
             # one_pass: each response generated and its states captured in the same request
             "mode": "one_pass" if one_pass(cfg) else "capture",
-        }
+        } | _computed_embedding(cfg, layers)
 
     def capture_ids(self, cfg, layers):
         n = cfg.target.num_hidden_layers
@@ -117,7 +120,7 @@ class VLLM(Serving, Capturing):
             "convention": f"vllm {cfg.serve.vllm_version} extract_hidden_states ({cfg.target.family} rule)",
             "eagle_aux_hidden_state_layer_ids": capture_ids(cfg, layers),
             "teacher": {"kind": cfg.extract.teacher, "from": f"the last id: layer {n - 1}'s output"},
-        }
+        } | _computed_embedding(cfg, layers)
 
     def print_capture(self, cfg, plan):
         """The command each extract task runs, its engine arguments checked by vLLM's own parser in vLLM's
@@ -196,3 +199,18 @@ class VLLM(Serving, Capturing):
 
 
 ENGINE = VLLM()
+
+
+def _computed_embedding(cfg, layers) -> dict[str, Any]:
+    """Where the embedding output (-1) is among `layers` and vLLM has no id for it: the layers vLLM captures, those
+    computed, and from what (`ids.engine_layers`); nothing otherwise."""
+    captured, computed = engine_layers(cfg, list(layers))
+    if not computed:
+        return {}
+    name = dict(families.FAMILIES[cfg.target.family].head_tensors)["embed"]
+    family = cfg.target.family
+    return {
+        "captured_layers": captured,
+        "computed_layers": [layer_contract.EMBEDDING],
+        "embedding": f"layer -1 computed from the checkpoint's {name} (vLLM's {family} loop has no id for it)",
+    }

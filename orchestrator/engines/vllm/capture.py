@@ -23,6 +23,7 @@ from orchestrator.config.schema import one_pass
 from orchestrator.data import prompt_ids
 from orchestrator.engines import CaptureJob
 from orchestrator.engines.vllm import cli
+from orchestrator.engines.vllm.ids import engine_layers
 from orchestrator.regenerate import Rendered, keep_regenerated, one_pass_rendered, regenerated_path
 from orchestrator.states.assemble import Assembler
 from orchestrator.states.shards import layer_columns, pack
@@ -47,7 +48,7 @@ class VLLMCapture:
         self.cfg, self.job = cfg, job
         self.tokenizer = load_tokenizer(job.target_path, cfg.target.trust_remote_code, cfg.data.chat_template)
         self.layers = len(job.layers)
-        self.assemble = assembler(cfg, job.target_path)
+        self.assemble = assembler(cfg, job.target_path, list(job.layers))
         self.work = job.out / "vllm_states" / f"rank{job.compute.rank}"
         if self.work.exists():  # a killed run's answers, none of them written as a shard
             shutil.rmtree(self.work)
@@ -238,23 +239,29 @@ class CaptureEngine:
         self._stop(wait_s=60)
 
 
-def assembler(cfg, target_path) -> Assembler:
-    """vLLM captures the last layer's output (id N) before the final norm: the assembler norms it for post_norm."""
+def assembler(cfg, target_path, layers: list[int]) -> Assembler:
+    """vLLM captures the last layer's output (id N) before the final norm: the assembler norms it for post_norm.
+    Where vLLM has no id for the embedding output among `layers` (`ids.engine_layers`), the assembler computes it
+    from the checkpoint's embedding table, read once here (as stored: 2.3 GB for Kimi-K2.5)."""
     post_norm = cfg.extract.teacher == "post_norm"
     norm = load_head_tensors(target_path, cfg.target.family)["norm"] if post_norm else None
     eps = target_config_json(target_path).get("rms_norm_eps", 1e-6)
-    return Assembler(cfg.extract.dtype, norm, eps)
+    _, computed = engine_layers(cfg, layers)
+    embed = load_head_tensors(target_path, cfg.target.family, ("embed",), as_stored=True)["embed"] if computed else None
+    return Assembler(cfg.extract.dtype, norm, eps, embed)
 
 
 def read_states(assemble: Assembler, rendered, files: list[str], layers: int, what: str) -> list:
-    """The sequences' states from vLLM's files (`hidden_states` [T, K+1, H] in the order of the capture's ids: the
-    aux layers, then id N for the teacher), checked against the tokens sent; the files are deleted once read."""
+    """The sequences' states from vLLM's files (`hidden_states` [T, K'+1, H] in the order of the capture's ids: the
+    aux layers vLLM captures, K' of the `layers` K, then id N for the teacher), checked against the tokens sent;
+    the files are deleted once read."""
     sequences = []
+    captured_aux = layers - assemble.computed
     for seq, path in zip(rendered, files, strict=True):
         captured = load_file(path)
         hs = captured["hidden_states"]
         where = f"{what} ({path})"
-        sequences.append(assemble.sequence(seq, hs[:, :layers], hs[:, -1], captured["token_ids"], where))
+        sequences.append(assemble.sequence(seq, hs[:, :captured_aux], hs[:, -1], captured["token_ids"], where))
     for path in files:
         os.remove(path)
     return sequences
@@ -278,7 +285,7 @@ class VLLMStream:
         self.cfg, self.target_path, self.compute = cfg, target_path, compute
         self.work, self.captured, self.sent = Path(work), list(layers), 0
         self.local = node_local("vllm-capture-")
-        self.assemble = assembler(cfg, target_path)
+        self.assemble = assembler(cfg, target_path, self.captured)
         # the head on this process's device before the engine starts: vLLM claims gpu_memory_utilization of the
         # device for itself and refuses to start where less is free then (vllm/v1/worker/utils.py request_memory at
         # 0.32.0), so the head's memory is counted before the engine's start, not taken from under it afterwards

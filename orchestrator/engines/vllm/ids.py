@@ -52,9 +52,30 @@ def vllm_config_ids(conf: dict, num_layers: int) -> list[tuple[str, str, list[in
     return [("V1", *v1), ("MRV2", *mrv2)]
 
 
-def capture_ids(cfg, layers: list[int]) -> list[int]:
-    """The vLLM ids an extract.engine=vllm extraction captures: `layers`, then the last layer's output (id N, the
-    teacher's source), in vLLM's rule for the target's family."""
+def engine_layers(cfg, layers: list[int]) -> tuple[list[int], bool]:
+    """The canonical `layers` vLLM's extractor captures for `layers`, and whether the embedding output (-1) is
+    computed from the checkpoint's embedding table instead: vLLM's DeepSeek/Kimi loop has no id for it
+    (`layers.VLLM_DEEPSEEK`), and for a family whose embedding output is the table's rows as stored
+    (`families.Family.embedding_lookup`) those rows are that state exactly. The states' assembler puts it back in
+    its place, first (orchestrator/engines/vllm/capture.py, `assembler`)."""
     t = cfg.target
     rule = vllm_rule(t.family, cfg.serve.vllm_version)
-    return layer_contract.encode(rule, [*layers, t.num_hidden_layers - 1], t.num_hidden_layers)
+    if layer_contract.EMBEDDING not in layers or rule is not layer_contract.VLLM_DEEPSEEK:
+        return list(layers), False
+    if not families.FAMILIES[t.family].embedding_lookup:
+        raise LayerContractError(
+            f"vLLM's {t.family} loop captures no embedding output (id 0 fails there), and this family's embedding "
+            "output is not its table's rows as stored, so the project cannot compute it either: start aux_layers "
+            "with layer 0 or above"
+        )
+    return [k for k in layers if k != layer_contract.EMBEDDING], True
+
+
+def capture_ids(cfg, layers: list[int]) -> list[int]:
+    """The vLLM ids an extract.engine=vllm extraction captures: `layers` (less the embedding output where it is
+    computed, `engine_layers`), then the last layer's output (id N, the teacher's source), in vLLM's rule for the
+    target's family."""
+    t = cfg.target
+    rule = vllm_rule(t.family, cfg.serve.vllm_version)
+    captured, _ = engine_layers(cfg, layers)
+    return layer_contract.encode(rule, [*captured, t.num_hidden_layers - 1], t.num_hidden_layers)
