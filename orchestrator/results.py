@@ -200,6 +200,9 @@ class EvalResult(_Checked):
     train_val_acc: list[float | None] | None = None  # training's validation accuracies, by position
     engine: str | None = None  # what ran the live target (eval.engine, as installed)
     sequences_from: str | None = None  # what the validation sequences are (`stages.eval.sequences_from`)
+    # how the expected accept length's continuations were decoded (`results.GREEDY`), whatever the training data's
+    # sampling (data.regenerate.temperature)
+    decoding: str | None = None
 
     STAGE: ClassVar[str] = "eval"
     _BY_POSITION: ClassVar[tuple[str, ...]] = ("acc", "full_acc", "trained_states_acc", "acc_gap", "acc_gap_se")
@@ -213,6 +216,7 @@ class EvalResult(_Checked):
         out["compute"] = self.compute
         out["engine"] = self.engine
         out["sequences_from"] = self.sequences_from
+        out["decoding"] = self.decoding
         out |= {f"positions_{k}": n for k, n in enumerate(self.positions)}
         for k in range(max(len(getattr(self, name)) for name in self._BY_POSITION)):
             out |= {f"{name}_{k}": getattr(self, name)[k] for name in self._BY_POSITION if k < len(getattr(self, name))}
@@ -224,6 +228,7 @@ class EvalResult(_Checked):
         out = _pop(rest, "served_layers", "trained_layers", "draft_steps", "draft_dtype", "mismatch", "mismatch_flags")
         out["engine"] = rest.pop("engine", None)
         out["sequences_from"] = rest.pop("sequences_from", None)
+        out["decoding"] = rest.pop("decoding", None)
         out["positions"] = _positions(rest, "positions_")
         out |= {name: _positions(rest, f"{name}_") for name in cls._BY_POSITION}
         return out | _pop(rest, *cls._MEASURED)
@@ -235,9 +240,14 @@ class EvalResult(_Checked):
             head["served_states_rel_diff"] = self.served_states_rel_diff
         if self.expected_accept_length is not None:
             head["expected_accept_length"] = self.expected_accept_length
+            head |= {"decoding": self.decoding} if self.decoding else {}
         head |= {"sequences_from": self.sequences_from} if self.sequences_from else {}
         return head | {"mismatch": self.mismatch}
 
+
+# How serve measures and eval simulates every answer: the target's and the draft's greedy tokens. Training data may
+# be sampled (data.regenerate.temperature, top_p); the accept lengths are measured greedy all the same.
+GREEDY = "greedy (temperature 0)"
 
 # what an engine reports that the client cannot see, per server (vLLM: from its /metrics)
 ENGINE_LATENCY_SUFFIXES = ("ttft_mean_s", "itl_mean_s")
@@ -258,6 +268,8 @@ class ServeResult(_Checked):
     greedy_outputs_identical: bool | None = None
     greedy_differing_token_rate: float | None = None
     greedy_check: str | None = None
+    # how every answer here was decoded, so each accept length and speed says at which temperature it was measured
+    decoding: str | None = None
     per_concurrency: list[dict[str, Any]] | None = None  # one row per concurrency level, the first the headline's
     engine: str | None = None
     engine_version: str | None = None
@@ -286,8 +298,8 @@ class ServeResult(_Checked):
     STAGE: ClassVar[str] = "serve"
     _HEAD: ClassVar[tuple[str, ...]] = ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length")
     _AGREEMENT: ClassVar[tuple[str, ...]] = (
-        "greedy_outputs_identical", "greedy_differing_token_rate", "greedy_check", "per_concurrency", "engine",
-        "engine_version", "id_rules", "engine_fallback", "servers_started", "server_seconds", "measured_by",
+        "greedy_outputs_identical", "greedy_differing_token_rate", "greedy_check", "decoding", "per_concurrency",
+        "engine", "engine_version", "id_rules", "engine_fallback", "servers_started", "server_seconds", "measured_by",
         "serve_keys", "baseline_from", "passes_apart", "eagle_aux_hidden_state_layer_ids",
     )  # fmt: skip
     _COUNTED: ClassVar[tuple[str, ...]] = ("accept_rate_by_position", "accept_histogram", "acceptance_by_position")
@@ -317,6 +329,7 @@ class ServeResult(_Checked):
         """The speeds, accept lengths and the outputs' agreement, the engine that served them and, where it stood in
         for the one asked for, why; beside them, a baseline measured elsewhere."""
         head = {k: getattr(self, k) for k in (*self._HEAD, "eval_expected_accept_length", "greedy_outputs_identical")}
+        head |= {"decoding": self.decoding} if self.decoding else {}
         head["engine"] = " ".join(str(v) for v in (self.engine, self.engine_version) if v) or None
         if self.engine_fallback:
             head["engine_fallback"] = self.engine_fallback

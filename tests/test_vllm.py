@@ -93,6 +93,9 @@ def test_vllm_serves_the_draft_and_its_counters_agree_with_eval(vllm_python, fas
     serve = summary["stages"]["serve"]
     assert serve["engine"] == "vllm" and serve["engine_version"] == "0.32.0" and "engine_fallback" not in serve
     assert serve["eagle_aux_hidden_state_layer_ids"] == [2, 5, 7]
+    # every accept length here, served and expected, is of greedy decoding, and each says so
+    assert serve["decoding"] == summary["stages"]["eval"]["decoding"] == "greedy (temperature 0)"
+    assert serve["headline"]["decoding"] == summary["stages"]["eval"]["headline"]["decoding"]
     expected = summary["stages"]["eval"]["expected_accept_length"]
     assert serve["accept_length"] > 1.0 and abs(serve["accept_length"] - expected) / expected <= 0.05, (
         serve["accept_length"],

@@ -25,7 +25,7 @@ from orchestrator.config import RootConfig
 from orchestrator.data import conversations, prompt_ids
 from orchestrator.draft import export as draft_export
 from orchestrator.draft.served import served_draft_dir
-from orchestrator.results import EvalResult
+from orchestrator.results import GREEDY, EvalResult
 from orchestrator.states import stream
 from orchestrator.states.shards import load_split
 from orchestrator.targets import tokenizer_hash
@@ -226,6 +226,7 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> EvalResult:
         "compute": compute.describe(),
         "engine": engine.name,
         "sequences_from": sequences_from(cfg),
+        "decoding": GREEDY,  # the expected accept length's continuations, whatever the training data's sampling
     }
     flags: list[str] = []
     if len(layers) != draft.shape.num_aux_layers:

@@ -26,7 +26,7 @@ from orchestrator.draft import export as draft_export
 from orchestrator.draft import guard
 from orchestrator.draft.served import served_draft_dir
 from orchestrator.engines import client, server_command
-from orchestrator.results import EvalResult, ServeResult
+from orchestrator.results import GREEDY, EvalResult, ServeResult
 from orchestrator.targets import load_tokenizer, target_config_json
 
 
@@ -425,6 +425,7 @@ def _compared(cfg: RootConfig, servers: dict[str, dict[str, Any]], flags: list[s
         "greedy_outputs_identical": identical,
         "greedy_differing_token_rate": worst,
         "greedy_check": "exact" if exact else f"tolerance {s.greedy_token_tolerance:g}",
+        "decoding": GREEDY,
         "per_concurrency": per_concurrency,
     }
 
