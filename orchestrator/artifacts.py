@@ -21,7 +21,7 @@ FORMAT_VERSION = 1
 # depends on is listed in STAGE_CODE, and its digest as of the version is recorded in code_versions.json: a change to
 # that code without a bump (or a recorded reason why its outputs cannot change) fails tests/test_code_versions.py,
 # so a cached result is never read for code that would compute another (scripts/record_code_versions.py).
-CODE_VERSION = {"extract": 4, "train": 4, "eval": 5, "serve": 7}
+CODE_VERSION = {"extract": 5, "train": 4, "eval": 6, "serve": 7}
 # The modules (relative to the package, globs allowed) whose code decides each stage's cached output.
 STAGE_CODE = {
     "extract": ("stages/extract.py", "capture.py", "regenerate.py", "data.py", "states/*.py", "engines/hf/*.py",

@@ -192,6 +192,7 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
     )
     out += node_limit_findings(cfg)
     out += engine_environment_findings(cfg)
+    out += tokenizer_findings(cfg)
     for module in t.remote_code_imports:  # what the target's remote code (its tokenizer) imports
         found = importlib.util.find_spec(module) is not None
         out.append(
@@ -206,6 +207,68 @@ def config_findings(cfg: RootConfig) -> list[Finding]:
                 "-e '.[kimi]')",
             )
         )
+    return out
+
+
+def tokenizer_environments(cfg: RootConfig) -> list[tuple[str, str]]:
+    """Each environment a job loads the target's tokenizer in: (its python, how a finding names it). The project's
+    own (extraction's rendering, regeneration, eval and the serving benchmark's prompts) and each engine's that the
+    configured stages launch (`engines.engine_environments`), once each."""
+    import sys
+
+    out = {sys.executable: "the project's environment"}
+    for engine, python, key, stages in engines.engine_environments(cfg):
+        if Path(python).is_file():  # a missing one is engine_environment_findings' to report
+            out.setdefault(python, f"{key}={python} ({engine.name}, for {' and '.join(stages)})")
+    return list(out.items())
+
+
+def tokenizer_findings(cfg: RootConfig) -> list[Finding]:
+    """The checkpoint's tokenizer at target.path loaded, before any job, in every environment a job will load it in
+    (`tokenizer_environments`, concurrently): remote code that cannot load under an environment's transformers (an
+    earlier tokenization_kimi.py importing bytes_to_unicode from transformers' gpt2 module, which transformers 5
+    removed) is refused naming the file, the version and the fix; a thinking marker its chat template writes
+    (`<think>`, `</think>`) that is not one token is refused, since the draft would learn it spelled out."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from orchestrator.targets import THINKING_MARKERS, probe_tokenizer
+
+    t = cfg.target
+    path = Path(t.path) if t.path else None
+    if path is None or not (path / "tokenizer_config.json").is_file():
+        return []
+    places = tokenizer_environments(cfg)
+    with ThreadPoolExecutor(len(places)) as pool:
+        probes = list(pool.map(lambda place: probe_tokenizer(place[0], path, t.trust_remote_code), places))
+    out = []
+    for (_, where), probe in zip(places, probes, strict=True):
+        version = f"transformers {probe.get('transformers', '(unknown version)')}"
+        if "error" in probe:
+            file = probe.get("remote_file")
+            what = f"{file} (line {probe['remote_line']})" if file else f"{path}'s tokenizer"
+            fix = (
+                f"replace {file} with the checkpoint's current revision from its hub repository"
+                if file
+                else "point target.path at a complete copy of the checkpoint's tokenizer files"
+            )
+            if "bytes_to_unicode" in probe["error"]:
+                fix += (
+                    " (Moonshot's current tokenization_kimi.py imports bytes_to_unicode from "
+                    "transformers.convert_slow_tokenizer; transformers 5 removed it from "
+                    "transformers.models.gpt2.tokenization_gpt2)"
+                )
+            out.append(Finding("tokenizer", False, f"{what} does not load in {where} with {version}: "
+                               f"{probe['error']}", fix))  # fmt: skip
+            continue
+        split = {m: n for m, n in probe.get("markers", {}).items() if n != 1}
+        if split:
+            out.append(Finding("tokenizer", False, f"{path}: its chat template writes "
+                               f"{', '.join(f'{m} ({n} tokens)' for m, n in split.items())}, not one token each, in "
+                               f"{where}", "point target.path at the checkpoint's own tokenizer files"))  # fmt: skip
+            continue
+        markers = [m for m in THINKING_MARKERS if m in probe.get("markers", {})]
+        single = f"; {' and '.join(markers)} one token each" if markers else ""
+        out.append(Finding("tokenizer", True, f"{path}: {probe.get('class')} loads in {where} with {version}{single}"))
     return out
 
 

@@ -25,7 +25,7 @@ from orchestrator import engines
 from orchestrator.config import RootConfig
 from orchestrator.data import Rendered, before_first_answer, chat_prompt_ids, render, tools_of, turns_after_answers
 from orchestrator.engines import client
-from orchestrator.targets import template_source
+from orchestrator.targets import end_token_ids, template_source
 
 
 class RegenerateError(RuntimeError):
@@ -93,7 +93,7 @@ def regenerate(
         turn_seed = seed + 1_000_003 * turn
         if r.engine == "hf":
             return hf_responses(model, tokenizer, prompts, max_len, r, turn_seed, turn_desc)
-        return server_responses(where, prompts, tokenizer.eos_token_id, max_len, r, turn_seed, turn_desc)
+        return server_responses(where, prompts, end_token_ids(tokenizer), max_len, r, turn_seed, turn_desc)
 
     if r.engine == "hf" or endpoint is not None:
         return turn_by_turn(conversations, tokenizer, r.turns, max_len, lambda p, t: answer(p, t, endpoint))
@@ -137,28 +137,30 @@ def turn_by_turn(conversations: list, tokenizer, turns: int | None, max_len: int
 def answer_message(tokenizer, response: list[int]) -> dict:
     """An answer as the next turn's history: its text without the end token, and without the thinking before
     `</think>` where it has one."""
-    eos = tokenizer.eos_token_id
-    if response and response[-1] == eos:
+    if response and response[-1] in end_token_ids(tokenizer):
         response = response[:-1]
     text = tokenizer.decode(response, skip_special_tokens=False)
     return {"role": "assistant", "content": text.split("</think>", 1)[1].strip() if "</think>" in text else text}
 
 
-def one_pass_rendered(prompt: list[int], generated: list[int], max_new_tokens: int, eos, max_len: int) -> Rendered:
+def one_pass_rendered(prompt: list[int], generated: list[int], max_new_tokens: int, ends, max_len: int) -> Rendered:
     """The sequence of a one-pass capture (data.regenerate.engine=one_pass): the prompt and the response as a
     separate regeneration cuts it (`max_new_tokens`, the end token, data.max_seq_len), from `generated`, which
     runs one token past the budget. The engine captures the states of the prompt and of every generated token
     but the last (never an input), so a response that ends the generation, at its end token, loses that token:
     the teacher's distribution at the token before it, which predicts the end, is kept."""
-    seq = _rendered(prompt, generated[:max_new_tokens], eos, max_len)
+    seq = _rendered(prompt, generated[:max_new_tokens], ends, max_len)
     if len(seq.input_ids) > len(prompt) + len(generated) - 1:
         return Rendered(seq.input_ids[:-1], seq.loss_mask[:-1])
     return seq
 
 
-def _rendered(prompt: list[int], response: list[int], eos: int | None, max_len: int) -> Rendered:
-    if eos is not None and eos in response:
-        response = response[: response.index(eos) + 1]
+def _rendered(prompt: list[int], response: list[int], ends: list[int], max_len: int) -> Rendered:
+    """The prompt and the response through its first end token (`end_token_ids`), within `max_len`; the loss
+    covers the response."""
+    end = next((i for i, token in enumerate(response) if token in ends), None)
+    if end is not None:
+        response = response[: end + 1]
     response = response[: max_len - len(prompt)]
     return Rendered(list(prompt) + response, [0] * len(prompt) + [1] * len(response))
 
@@ -169,8 +171,8 @@ def hf_responses(model, tokenizer, prompts: list[list[int]], max_len: int, r, se
     import torch
     from tqdm import tqdm
 
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    ends = end_token_ids(tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (ends[0] if ends else 0)
     generator_seed = torch.Generator().manual_seed(seed)
     out: list[Rendered] = []
     starts = range(0, len(prompts), r.batch_size)
@@ -197,19 +199,19 @@ def hf_responses(model, tokenizer, prompts: list[list[int]], max_len: int, r, se
                 attention_mask=attn.to(device),
                 max_new_tokens=new_tokens,
                 pad_token_id=pad,
-                eos_token_id=eos,
+                eos_token_id=ends or None,
                 **sampling,
             )[:, width:]
-        out += [_rendered(p, generated[row].tolist(), eos, max_len) for row, p in enumerate(batch)]
+        out += [_rendered(p, generated[row].tolist(), ends, max_len) for row, p in enumerate(batch)]
     return out
 
 
 def server_responses(
-    endpoint: "Endpoint", prompts: list[list[int]], eos: int | None, max_len: int, r, seed: int, desc: str
+    endpoint: "Endpoint", prompts: list[list[int]], ends: list[int], max_len: int, r, seed: int, desc: str
 ) -> list[Rendered]:
     """One request per prompt, `r.concurrency` in flight, each asking for at most `r.max_new_tokens` (and no more
-    than `max_len` allows) and stopping at the tokenizer's end token. At temperature 0 the engine decodes greedily;
-    above it each request carries a seed drawn from `seed` (SGLang applies it only when launched with
+    than `max_len` allows) and stopping at its end tokens (`end_token_ids`). At temperature 0 the engine decodes
+    greedily; above it each request carries a seed drawn from `seed` (SGLang applies it only when launched with
     --enable-deterministic-inference)."""
     from tqdm import tqdm
 
@@ -218,8 +220,8 @@ def server_responses(
 
     def ask(i: int) -> list[int]:
         sampling = {"max_new_tokens": min(r.max_new_tokens, max_len - len(prompts[i])), "temperature": r.temperature}
-        if eos is not None:
-            sampling["stop_token_ids"] = [eos]
+        if ends:
+            sampling["stop_token_ids"] = list(ends)
         if seeds[i] is not None:
             sampling["sampling_seed"] = seeds[i]
             sampling["top_p"] = r.top_p
@@ -234,7 +236,7 @@ def server_responses(
         responses = [f.result() for f in tqdm(futures, desc=desc, unit="prompt")]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # a failed request stops the ones not yet sent
-    return [_rendered(p, response, eos, max_len) for p, response in zip(prompts, responses)]
+    return [_rendered(p, response, ends, max_len) for p, response in zip(prompts, responses)]
 
 
 class Endpoint:

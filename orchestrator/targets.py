@@ -184,6 +184,114 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False, chat_template: s
     return tokenizer
 
 
+# Loads a checkpoint's tokenizer with transformers and the standard library alone, so that it runs in any
+# environment a job loads the tokenizer in (the project's, an engine's), and prints one JSON line: transformers'
+# version, the tokenizer's class, how many tokens each marker its chat template writes (`<think>`, `</think>`)
+# encodes to, or the error and the frames it came from. `preflight.tokenizer_findings` runs it.
+TOKENIZER_PROBE = r"""
+import json, sys, traceback
+out = {}
+try:
+    import transformers
+    out["transformers"] = transformers.__version__
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=sys.argv[2] == "1")
+    out["class"] = type(tok).__name__
+    template = tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template)
+    out["markers"] = {m: len(tok(m, add_special_tokens=False)["input_ids"]) for m in sys.argv[3:] if m in template}
+except BaseException as exc:
+    out["error"] = f"{type(exc).__name__}: {exc}".strip()
+    out["frames"] = [[f.filename, f.lineno] for f in traceback.extract_tb(exc.__traceback__)]
+print(json.dumps(out))
+"""
+THINKING_MARKERS = ("<think>", "</think>")
+
+
+def remote_code_files(path: Path) -> list[Path]:
+    """The Python files of a checkpoint's remote code (`tokenizer_config.json`'s `auto_map`: tokenization_kimi.py
+    for Kimi-K2.5) that are in its folder."""
+    conf = Path(path) / "tokenizer_config.json"
+    if not conf.is_file():
+        return []
+    auto = json.loads(conf.read_text()).get("auto_map") or {}
+    refs = [r for v in auto.values() for r in (v if isinstance(v, list) else [v]) if isinstance(r, str)]
+    files = {Path(path) / f"{ref.split('--')[-1].rsplit('.', 1)[0]}.py" for ref in refs}
+    return sorted(f for f in files if f.is_file())
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def tokenizer_files_fingerprint(path: Path) -> str:
+    """What a tokenizer load can read in a checkpoint folder: every file in it but the weights, by content."""
+    h = hashlib.sha256()
+    for f in sorted(Path(path).iterdir()):
+        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.name != "model.safetensors.index.json":
+            h.update(f.name.encode() + b"\0" + file_sha256(f).encode())
+    return h.hexdigest()
+
+
+_PROBES: dict[tuple, dict[str, Any]] = {}
+
+
+def _probe(python: str, path: str, trust_remote_code: bool, timeout: float) -> dict[str, Any]:
+    """One probe of a folder's tokenizer files in one environment; the same files in the same environment once per
+    process (a search's trials, one test session's checkpoints)."""
+    key = (python, tokenizer_files_fingerprint(Path(path)), trust_remote_code)
+    if key not in _PROBES:
+        _PROBES[key] = _run_probe(python, path, trust_remote_code, timeout)
+    return _PROBES[key]
+
+
+def _run_probe(python: str, path: str, trust_remote_code: bool, timeout: float) -> dict[str, Any]:
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="tokenizer-probe-") as modules:
+        # a fresh module cache: concurrent probes never share the copy transformers makes of the remote code
+        env = {**os.environ, "HF_MODULES_CACHE": modules, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+        args = [python, "-c", TOKENIZER_PROBE, path, "1" if trust_remote_code else "0", *THINKING_MARKERS]
+        try:
+            done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return {"error": f"loading the tokenizer took over {timeout:.0f} s"}
+        except OSError as exc:
+            return {"error": f"{python} does not run: {exc}"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return {"error": f"{python} exited {done.returncode}: {done.stderr.strip()[-300:]}"}
+
+
+def probe_tokenizer(python: str, path: Path, trust_remote_code: bool, timeout: float = 600) -> dict[str, Any]:
+    """`TOKENIZER_PROBE` run by `python` on the checkpoint at `path` (once per process for the same files). A frame
+    of the error in one of the checkpoint's remote code files is named by that file (`remote_file`, `remote_line`):
+    transformers runs a copy of it from its module cache."""
+    out = dict(_probe(python, str(path), trust_remote_code, timeout))
+    names = {f.name: f for f in remote_code_files(path)}
+    for filename, line in reversed(out.get("frames", [])):
+        if Path(filename).name in names:
+            out["remote_file"], out["remote_line"] = str(names[Path(filename).name]), line
+            break
+    return out
+
+
+def end_token_ids(tokenizer) -> list[int]:
+    """The tokens at which the serving engines end a response: the tokenizer's eos, then the ids the checkpoint's
+    generation_config.json names as `eos_token_id` (an int or a list), as vLLM 0.32 stops at both
+    (`SamplingParams.update_from_generation_config`, vllm/sampling_params.py). Kimi-K2.5's tokenizer says `[EOS]`,
+    while an assistant turn of its chat template ends at `<|im_end|>`: a regeneration that stopped at the first
+    alone would write past the turn into the next one."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    config = Path(str(tokenizer.name_or_path)) / "generation_config.json"
+    if config.is_file():
+        named = json.loads(config.read_text()).get("eos_token_id")
+        for i in [named] if isinstance(named, int) else named or []:
+            ids += [i] if i not in ids else []
+    return ids
+
+
 def template_source(path: Path, chat_template: str | None) -> str:
     """How an error names the chat template the conversations were rendered with."""
     if chat_template is not None:

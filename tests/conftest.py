@@ -294,39 +294,115 @@ def write_safetensors_header(file: Path, tensors: dict[str, tuple[str, list[int]
     return offset
 
 
-def kimi_checkpoint(dest: Path, quantized: bool = True) -> Path:
+KIMI_TOKENIZERS = Path(__file__).parent / "data" / "tokenizers" / "kimi"
+# Moonshot's tokenizer code as published (tests/data/tokenizers/SOURCES.md): "gpt2-import" imports bytes_to_unicode
+# from transformers' gpt2 module, which transformers 5 removed; "current" is the revision that imports it from
+# transformers.convert_slow_tokenizer.
+KIMI_TOKENIZER_CODE = {
+    "gpt2-import": KIMI_TOKENIZERS / "tokenization_kimi.gpt2-import.py",
+    "current": KIMI_TOKENIZERS / "tokenization_kimi.py",
+}
+# Kimi's special tokens by their offset above the BPE ranks (Kimi-K2.5: 163,584 ranks, so [BOS] is 163584, as its
+# config.json says). From public sources: [BOS] 0, [EOS] 1, the media tokens 18-21 (`media_placeholder_token_id`
+# 163605 in config.json), [PAD] 255 (`pad_token_id` 163839); the rest are placed by this project, each below 258,
+# the 256 reserved tokens + 2 that tokenization_kimi.py allots.
+KIMI_SPECIAL_TOKENS = {
+    0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>", 6: "<|start_header_id|>",
+    7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>", 11: "<|tool_calls_section_begin|>",
+    12: "<|tool_calls_section_end|>", 13: "<|tool_call_begin|>", 14: "<|tool_call_argument_begin|>",
+    15: "<|tool_call_end|>", 17: "<|im_middle|>", 18: "<|media_begin|>", 19: "<|media_content|>",
+    20: "<|media_end|>", 21: "<|media_pad|>", 22: "<think>", 23: "</think>", 254: "[UNK]", 255: "[PAD]",
+}  # fmt: skip
+
+
+def kimi_tokenizer_files(dest: Path, revision: str = "current", ranks: int = 1024) -> Path:
+    """Kimi's tokenizer as its checkpoint lays it out, over a small vocabulary: Moonshot's `tokenization_kimi.py`
+    at `revision` (`KIMI_TOKENIZER_CODE`), a `tiktoken.model` in tiktoken's own format (a base64 token and its rank
+    per line: the 256 bytes, then the merges of a byte-level BPE trained on a sample of Python's standard library),
+    `tokenizer_config.json` pointing AutoTokenizer at the remote code with `KIMI_SPECIAL_TOKENS` above the ranks,
+    and Kimi-K2-Thinking's chat template (tests/data/chat_templates). Returns `dest`."""
+    import base64
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from orchestrator.tiny.corpus import stdlib_files
+
+    dest.mkdir(parents=True, exist_ok=True)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=ranks, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    bpe.train_from_iterator((f.read_text(errors="replace") for f in stdlib_files()[:40]), trainer)
+    to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
+    tokens = sorted(bpe.get_vocab().items(), key=lambda item: item[1])
+    lines = [f"{base64.b64encode(bytes(to_byte[c] for c in token)).decode()} {rank}" for rank, (token, _) in
+             enumerate(tokens)]  # fmt: skip
+    (dest / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    special = {str(len(tokens) + offset): name for offset, name in KIMI_SPECIAL_TOKENS.items()}
+    flags = dict.fromkeys(("lstrip", "normalized", "rstrip", "single_word"), False) | {"special": True}
+    config = {
+        "added_tokens_decoder": {i: dict(flags, content=name) for i, name in special.items()},
+        "additional_special_tokens": [n for n in special.values() if n not in ("[BOS]", "[EOS]", "[UNK]", "[PAD]")],
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "model_max_length": 262144,
+        "tokenizer_class": "TikTokenTokenizer",
+    }
+    (dest / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    shutil.copyfile(KIMI_TOKENIZER_CODE[revision], dest / "tokenization_kimi.py")
+    shutil.copyfile(Path(__file__).parent / "data" / "chat_templates" / "Kimi-K2-Thinking.jinja",
+                    dest / "chat_template.jinja")  # fmt: skip
+    return dest
+
+
+_KIMI_BUILT: dict[bool | str, Path] = {}  # by quantized (config, headers) and by tokenizer revision
+
+
+def kimi_checkpoint(dest: Path, quantized: bool = True, revision: str = "current") -> Path:
     """A stand-in for a local copy of Kimi-K2.5 holding what the dry run reads of a checkpoint: the checkpoint's own
     config.json as transformers printed it from a copy of moonshotai/Kimi-K2.5 (tests/data/targets/SOURCES.md; the
     DeepSeek-V3 text model under `text_config`, its INT4 experts' compressed-tensors `quantization_config`, dropped
-    where not `quantized`); its tokenizer files in their layout (tiktoken.model, no tokenizer.json; the remote-code
-    tokenizer's config); its 64 safetensors files with every tensor's name, dtype and shape in their headers
-    (`kimi_weights`: 554.27 GiB of tensors as shipped) and no data, and the index over them. No weights are real."""
+    where not `quantized`); its tokenizer: Moonshot's own code at `revision` over a small vocabulary
+    (`kimi_tokenizer_files`); its 64 safetensors files with every tensor's name, dtype and shape in their headers
+    (`kimi_weights`: 554.27 GiB of tensors as shipped) and no data, and the index over them. No weights are real.
+    Written once per test process (the headers per `quantized`, the tokenizer per `revision`); each `dest` gets its
+    own copy of the small files and hard links to the headers (50 MB, never written by a test)."""
     import json
+    import os
+    import shutil
+    import tempfile
 
+    for kind in (quantized, revision):
+        if kind in _KIMI_BUILT:
+            continue
+        built = Path(tempfile.mkdtemp(prefix="kimi-k25-")) / "Kimi-K2.5"
+        if kind in KIMI_TOKENIZER_CODE:
+            _KIMI_BUILT[kind] = kimi_tokenizer_files(built, kind)
+            continue
+        built.mkdir()
+        shipped = Path(__file__).parent / "data" / "targets" / "moonshotai__Kimi-K2.5" / "config.json"
+        conf = json.loads(shipped.read_text())
+        if not quantized:
+            conf.pop("quantization_config")
+            conf["text_config"].pop("quantization_config")
+        (built / "config.json").write_text(json.dumps(conf, indent=2))
+        weight_map, total = {}, 0
+        for file, tensors in sorted(kimi_weights(quantized).items()):
+            total += write_safetensors_header(built / file, tensors)
+            weight_map |= dict.fromkeys(tensors, file)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (built / "model.safetensors.index.json").write_text(json.dumps(index))
+        _KIMI_BUILT[kind] = built
     dest.mkdir(parents=True)
-    shipped = Path(__file__).parent / "data" / "targets" / "moonshotai__Kimi-K2.5" / "config.json"
-    conf = json.loads(shipped.read_text())
-    if not quantized:
-        conf.pop("quantization_config")
-        conf["text_config"].pop("quantization_config")
-    (dest / "config.json").write_text(json.dumps(conf, indent=2))
-    (dest / "tiktoken.model").write_text("IQ== 0\nIg== 1\nIw== 2\n")  # base64 token, rank: tiktoken's format
-    (dest / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "TikTokenTokenizer",
-                "bos_token": "[BOS]",
-                "eos_token": "[EOS]",
-                "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
-            }
-        )  # fmt: skip
-    )
-    weight_map, total = {}, 0
-    for file, tensors in sorted(kimi_weights(quantized).items()):
-        total += write_safetensors_header(dest / file, tensors)
-        weight_map |= dict.fromkeys(tensors, file)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (dest / "model.safetensors.index.json").write_text(json.dumps(index))
+    for f in [*_KIMI_BUILT[quantized].iterdir(), *_KIMI_BUILT[revision].iterdir()]:
+        (os.link if f.suffix == ".safetensors" else shutil.copyfile)(f, dest / f.name)
     return dest
 
 
@@ -356,12 +432,12 @@ def fake_engine_env(dest: Path, python: str | None = None, **versions: str) -> s
     return str(wrapper)
 
 
-def kimi_here(where: Path, vllm_python: str) -> list[str]:
+def kimi_here(where: Path, vllm_python: str, revision: str = "current") -> list[str]:
     """kimi_eagle3's dry run on this machine: Kimi-K2.5's checkpoint as shipped (`kimi_checkpoint`: its config,
-    tokenizer files and every tensor's header, INT4 experts included), SGLang 0.5.23's metadata for serving, and for
-    extract and eval a CUDA build's metadata over vLLM's CPU environment, whose own parser checks the printed
-    commands. The overrides that point the experiment at them."""
-    model = kimi_checkpoint(where / "Kimi-K2.5")
+    tokenizer code at `revision` and files, every tensor's header, INT4 experts included), SGLang 0.5.23's metadata
+    for serving, and for extract and eval a CUDA build's metadata over vLLM's CPU environment, whose own parser
+    checks the printed commands. The overrides that point the experiment at them."""
+    model = kimi_checkpoint(where / "Kimi-K2.5", revision=revision)
     sglang = fake_engine_env(where / "sglang-env", sglang="0.5.23")
     vllm = fake_engine_env(where / "vllm-env", python=vllm_python, vllm="0.32.0")
     return [f"target.path={model}", f"serve.python={sglang}", f"extract.python={vllm}"]

@@ -406,6 +406,53 @@ def test_every_engine_environment_is_there_and_a_cpu_build_is_refused_for_a_gpu_
     assert [f.ok for f in preflight.config_findings(ok) if f.category == "engine environment"] == [True]
 
 
+@pytest.mark.vllm
+def test_kimis_tokenizer_code_loads_in_every_environment_and_the_gpt2_import_revision_is_refused_before_any_job(
+    tiny_config, tmp_path, vllm_python
+):
+    """The dry run loads target.path's tokenizer, Moonshot's own tokenization_kimi.py, in the project's environment
+    (transformers 5.24) and in each engine environment a job will use it in (vLLM's, transformers 5.19, for extract
+    and eval; serve's): the current revision loads everywhere with `<think>` and `</think>` one token each; the
+    earlier one, importing bytes_to_unicode from transformers' gpt2 module, is refused in each, naming the file, its
+    line, the transformers version and the fix, before any job. A tokenizer that spells `<think>` out is refused."""
+    import json
+
+    from conftest import kimi_here, kimi_tokenizer_files
+
+    from orchestrator.pipeline import run_pipeline
+
+    current = tiny_config(*kimi_here(tmp_path / "current", vllm_python), experiment="kimi_eagle3", fast=False)
+    found = [f for f in preflight.config_findings(current) if f.category == "tokenizer"]
+    loads = [f.message for f in found if " loads in " in f.message]
+    assert all(f.ok for f in found) and len(loads) == 3, [str(f) for f in found]
+    assert all("TikTokenTokenizer" in m and "<think> and </think> one token each" in m for m in loads), loads
+    assert sum("transformers 5.19.0" in m and "extract.python=" in m for m in loads) == 1, loads
+    assert sum("the project's environment with transformers 5.24.0" in m for m in loads) == 1, loads
+
+    here = kimi_here(tmp_path / "old", vllm_python, "gpt2-import")
+    old = tiny_config(*here, "dry_run=true", experiment="kimi_eagle3", fast=False)
+    with pytest.raises(preflight.PreflightError) as refused:
+        run_pipeline(old, tmp_path / "run")
+    failed = [f for f in refused.value.findings if f.category == "tokenizer"]
+    file = tmp_path / "old" / "Kimi-K2.5" / "tokenization_kimi.py"
+    assert len(failed) == 3 and all(f"{file} (line 19) does not load in " in f.message for f in failed), failed
+    versions = {f.message.split(" with transformers ")[1].split(":")[0] for f in failed}
+    assert versions == {"5.24.0", "5.19.0"}, failed
+    assert all("bytes_to_unicode" in f.message and "transformers.convert_slow_tokenizer" in f.fix for f in failed)
+    assert not (tmp_path / "run" / "extract").exists() and not list(tmp_path.rglob("jobs")), "refused before any job"
+
+    spelled = kimi_tokenizer_files(tmp_path / "spelled")
+    conf = json.loads((spelled / "tokenizer_config.json").read_text())
+    conf["added_tokens_decoder"] = {i: t for i, t in conf["added_tokens_decoder"].items() if t["content"] != "<think>"}
+    conf["additional_special_tokens"].remove("<think>")
+    (spelled / "tokenizer_config.json").write_text(json.dumps(conf))
+    (spelled / "config.json").write_text((tmp_path / "current" / "Kimi-K2.5" / "config.json").read_text())
+    project_only = ("stages=[extract]", "extract.engine=hf", "data.regenerate.enabled=false")  # no engine's env
+    alone = tiny_config(f"target.path={spelled}", *project_only, experiment="kimi_eagle3", fast=False)
+    [split] = [f for f in preflight.tokenizer_findings(alone)]
+    assert not split.ok and "writes <think> (" in split.message and "not one token each" in split.message, split
+
+
 def test_kimi_k25s_checkpoint_as_shipped_passes_the_checks_before_any_job(tiny_config, tmp_path):
     """+experiment=kimi_eagle3 (the seed's [-1, 2, 30]) on a checkpoint in Kimi-K2.5's layout (INT4 included,
     tiktoken.model for tokenizer, every tensor's real header) with CUDA builds of vLLM and SGLang: every check of the

@@ -60,9 +60,11 @@ def test_responses_end_after_the_first_end_token():
     from orchestrator.regenerate import _rendered
 
     eos = 2
-    cut = _rendered([1, 7], [5, 6, eos, 9, eos], eos, max_len=10)
+    cut = _rendered([1, 7], [5, 6, eos, 9, eos], [eos], max_len=10)
     assert (cut.input_ids, cut.loss_mask) == ([1, 7, 5, 6, eos], [0, 0, 1, 1, 1])
-    assert _rendered([1, 7], [5, 6, 8], eos, max_len=4).input_ids == [1, 7, 5, 6]
+    assert _rendered([1, 7], [5, 6, 8], [eos], max_len=4).input_ids == [1, 7, 5, 6]
+    # any of the end tokens ends it (the tokenizer's eos, the generation config's): the first one reached
+    assert _rendered([1, 7], [5, 3, 6, eos], [eos, 3], max_len=10).input_ids == [1, 7, 5, 3]
 
 
 def test_launched_server_returns_the_hf_engines_greedy_ids(tiny, tmp_path):
@@ -239,13 +241,14 @@ def test_a_one_pass_sequence_is_the_separate_regenerations_but_a_final_token_wit
     from orchestrator.regenerate import _rendered, one_pass_rendered
 
     prompt, eos = [1, 2, 3], 9
-    cut = one_pass_rendered(prompt, [4, 5, 6, 7], 3, eos, 100)  # cut at the budget: every token has a state
+    ends = [eos]
+    cut = one_pass_rendered(prompt, [4, 5, 6, 7], 3, ends, 100)  # cut at the budget: every token has a state
     assert (cut.input_ids, cut.loss_mask) == ([1, 2, 3, 4, 5, 6], [0, 0, 0, 1, 1, 1])
-    assert cut == _rendered(prompt, [4, 5, 6], eos, 100)
-    ended = one_pass_rendered(prompt, [4, 5, eos], 3, eos, 100)  # the engine stops at the end token
+    assert cut == _rendered(prompt, [4, 5, 6], ends, 100)
+    ended = one_pass_rendered(prompt, [4, 5, eos], 3, ends, 100)  # the engine stops at the end token
     assert (ended.input_ids, ended.loss_mask) == ([1, 2, 3, 4, 5], [0, 0, 0, 1, 1])
-    assert ended.input_ids == _rendered(prompt, [4, 5, eos], eos, 100).input_ids[:-1]
-    short = one_pass_rendered(prompt, [4, 5, 6, 7], 3, eos, 5)  # data.max_seq_len cuts first
+    assert ended.input_ids == _rendered(prompt, [4, 5, eos], ends, 100).input_ids[:-1]
+    short = one_pass_rendered(prompt, [4, 5, 6, 7], 3, ends, 5)  # data.max_seq_len cuts first
     assert (short.input_ids, short.loss_mask) == ([1, 2, 3, 4, 5], [0, 0, 0, 1, 1])
 
 
@@ -365,3 +368,42 @@ def test_kimi_samples_its_answers_as_it_is_served_and_the_sampling_keys_the_answ
     assert keys[0.95]["regenerated"] != keys[1.0]["regenerated"] and keys[0.95]["extract"] != keys[1.0]["extract"]
     with pytest.raises(ConfigError, match=r"data\.regenerate\.top_p=1\.5: expected in \(0, 1\]"):
         compose_root(["+experiment=tiny_eagle3", "data.regenerate.top_p=1.5"])
+
+
+def test_kimis_own_tokenizer_code_renders_a_thinking_answer_as_one_loss_span_ended_where_serving_ends_it(tmp_path):
+    """Moonshot's tokenization_kimi.py (its current revision, over a small tiktoken vocabulary) with Kimi-K2-Thinking's
+    template: `<think>` and `</think>` are one token each; a regenerated answer's loss covers exactly what the target
+    wrote after the generation prompt, its thinking included, through `<|im_end|>` where the checkpoint's
+    generation_config.json ends a response there, although the tokenizer's own eos is `[EOS]` (without that file the
+    answer would run into the next turn); and the next turn's history holds the answer without its thinking."""
+    from conftest import kimi_tokenizer_files
+
+    from orchestrator.data import chat_prompt_ids
+    from orchestrator.regenerate import _rendered, answer_message
+    from orchestrator.targets import end_token_ids, load_tokenizer
+
+    folder = kimi_tokenizer_files(tmp_path / "kimi")
+    tokenizer = load_tokenizer(folder, trust_remote_code=True)
+    assert type(tokenizer).__name__ == "TikTokenTokenizer" and tokenizer.eos_token == "[EOS]"
+    think, end_think, im_end = (tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>", "<|im_end|>"))
+    assert tokenizer("<think>", add_special_tokens=False)["input_ids"] == [think]
+    assert end_token_ids(tokenizer) == [tokenizer.eos_token_id]  # no generation_config.json: [EOS] alone
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": im_end}))
+    ends = end_token_ids(tokenizer)
+    assert ends == [tokenizer.eos_token_id, im_end]
+
+    conversation = [{"role": "user", "content": "What is 6 x 7?"}]
+    prompt = chat_prompt_ids(tokenizer, conversation, None, 200)
+    assert tokenizer.decode(prompt).endswith("<|im_assistant|>assistant<|im_middle|>")
+    wrote = tokenizer.encode("<think>6 x 7 is 42</think>42", add_special_tokens=False)
+    assert wrote[0] == think and end_think in wrote
+    runs_on = tokenizer.encode("<|im_user|>user<|im_middle|>more", add_special_tokens=False)
+    seq = _rendered(prompt, wrote + [im_end] + runs_on, ends, 200)
+    assert seq.input_ids == prompt + wrote + [im_end]
+    assert seq.loss_mask == [0] * len(prompt) + [1] * (len(wrote) + 1)
+    assert _rendered(prompt, wrote + [im_end] + runs_on, [tokenizer.eos_token_id], 200).input_ids[-len(runs_on):] \
+        == runs_on  # fmt: skip
+    message = answer_message(tokenizer, wrote + [im_end])
+    assert message == {"role": "assistant", "content": "42"}
+    history = chat_prompt_ids(tokenizer, [*conversation, message, {"role": "user", "content": "and 6 x 8?"}], None, 400)
+    assert "<think></think>42<|im_end|>" in tokenizer.decode(history)

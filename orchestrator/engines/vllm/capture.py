@@ -28,7 +28,7 @@ from orchestrator.regenerate import Rendered, keep_regenerated, one_pass_rendere
 from orchestrator.states.assemble import Assembler
 from orchestrator.states.shards import layer_columns, pack
 from orchestrator.states.teacher import TeacherHead
-from orchestrator.targets import load_head_tensors, load_tokenizer, target_config_json
+from orchestrator.targets import end_token_ids, load_head_tensors, load_tokenizer, target_config_json
 
 
 class VLLMCapture:
@@ -76,9 +76,9 @@ class VLLMCapture:
         self.answered += 1
         _, _, prompts, generates = self.asked[position]
         if generates:
-            r, eos = self.cfg.data.regenerate, self.tokenizer.eos_token_id
+            r, ends = self.cfg.data.regenerate, end_token_ids(self.tokenizer)
             answers = zip(prompts, report["generated"], strict=True)
-            kept = [one_pass_rendered(p, g, r.max_new_tokens, eos, self.cfg.data.max_seq_len) for p, g in answers]
+            kept = [one_pass_rendered(p, g, r.max_new_tokens, ends, self.cfg.data.max_seq_len) for p, g in answers]
             keep_regenerated(regenerated_path(self.job.out, split, index), kept)
         self.files[(split, index)] = report["files"]
         how = ", each answer generated in the same request" if generates else ""
@@ -434,14 +434,15 @@ class VLLMEval:
     def continuations(self, prompts: list[list[int]], max_new: int):
         """Per prompt: its length, the prompt and the engine's greedy continuation (at most `max_new` tokens, through
         the end token), and the served states of all its tokens but the last, generated and captured in one request."""
-        eos = self.tokenizer.eos_token_id
+        ends = end_token_ids(self.tokenizer)
         # one token past the budget, so that a continuation cut at max_new has a state for each of its tokens
         report, out = self.stream.ask(prompts, include_output_tokens=True, max_tokens=max_new + 1)
         self.version = report["vllm_version"]
         for prompt, generated, path in zip(prompts, report["generated"], report["files"], strict=True):
             answer = list(generated[:max_new])
-            if eos is not None and eos in answer:
-                answer = answer[: answer.index(eos) + 1]
+            end = next((i for i, token in enumerate(answer) if token in ends), None)
+            if end is not None:
+                answer = answer[: end + 1]
             sequence = list(prompt) + answer
             captured = sequence[: len(prompt) + len(generated) - 1]
             (states,) = self._read([Rendered(captured, [1] * len(captured))], [path])
