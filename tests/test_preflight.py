@@ -404,6 +404,13 @@ def test_every_engine_environment_is_there_and_a_cpu_build_is_refused_for_a_gpu_
     assert "holds vllm 0.32.0+cpu, a CPU build" in refused.message
     ok = tiny_config(*common, f"extract.python={gpu}", "extract.resources.gpus_per_node=1")
     assert [f.ok for f in preflight.config_findings(ok) if f.category == "engine environment"] == [True]
+    # vLLM's CUDA 12.9 release wheel (scripts/make_gpu_envs.sh --cuda 129) names its build in a local version
+    cu129 = fake_engine_env(tmp_path / "vllm-cu129", vllm="0.32.0+cu129")
+    ok = tiny_config(*common, f"extract.python={cu129}", "extract.resources.gpus_per_node=1")
+    assert [f.ok for f in preflight.config_findings(ok) if f.category == "engine environment"] == [True]
+    older = fake_engine_env(tmp_path / "vllm-older", vllm="0.31.0+cu129")
+    [refused] = failing(preflight.config_findings(tiny_config(*common, f"extract.python={older}")), "engine version")
+    assert "holds vllm 0.31.0+cu129" in refused.message
 
 
 @pytest.mark.vllm
