@@ -16,6 +16,9 @@ entry. Adding a family is one entry here (and its rules in each engine, if its c
                        DeepseekV3Model.forward, `inputs_embeds = self.embed_tokens(input_ids)`; Gemma's, which
                        multiplies by sqrt(hidden), would not be): where an engine cannot capture it, the project
                        computes it from the table (orchestrator/engines/vllm/ids.py, `engine_layers`)
+    sampling           the family's documented sampling as served (temperature, top_p), where its maker documents
+                       one and the checkpoint's generation_config.json names none: what data.regenerate.temperature
+                       and top_p null take after the checkpoint's own (orchestrator/targets.py, `served_sampling`)
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class Family:
     head_tensors: tuple[tuple[str, str], ...] = HF_HEAD_TENSORS
     mla: bool = False
     embedding_lookup: bool = True
+    sampling: tuple[float, float] | None = None  # (temperature, top_p)
+    sampling_source: str = ""
 
     def __post_init__(self) -> None:  # an entry whose loop no engine has a rule for fails where it is written
         if self.decoder_loop not in LOOPS:
@@ -48,7 +53,19 @@ FAMILIES = {
         Family("llama", "LlamaForCausalLM", "llama"),
         Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek", mla=True),
         # Kimi-K2.5: a DeepSeek-V3 text model under `language_model.` in KimiK25ForConditionalGeneration
-        Family("kimi_k25", "DeepseekV3ForCausalLM", "deepseek", wrapper="KimiK25ForConditionalGeneration", mla=True),
+        # Moonshot's settings for Kimi K2.5 in thinking mode: temperature 1.0, top_p 0.95
+        # (platform.kimi.ai/docs/guide/benchmark-best-practice; its API fixes top_p at 0.95 for kimi-k2.5,
+        # platform.kimi.ai/docs/api/models-overview)
+        Family(
+            "kimi_k25",
+            "DeepseekV3ForCausalLM",
+            "deepseek",
+            wrapper="KimiK25ForConditionalGeneration",
+            mla=True,
+            sampling=(1.0, 0.95),
+            sampling_source="Moonshot's settings for Kimi K2.5's thinking mode "
+            "(platform.kimi.ai/docs/guide/benchmark-best-practice)",
+        ),  # fmt: skip
     )
 }
 

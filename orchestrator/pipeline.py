@@ -208,8 +208,16 @@ def print_regenerate_command(cfg: RootConfig, plan: Plan) -> None:
     """The dry run: the server the extract job starts to regenerate the answers (data.regenerate.engine=server with
     no url: the serve stage's command without a draft, on a free port), checked by the serving engine's own parser
     where its environment has one; or the endpoint it is given."""
+    from orchestrator.targets import served_sampling
+
     r = cfg.data.regenerate
-    if not (r.enabled and r.engine == "server"):
+    if not r.enabled:
+        return
+    temperature, top_p, source = served_sampling(cfg.target)
+    how = "greedy" if r.temperature == 0 else f"temperature {r.temperature}, top_p {r.top_p}"
+    why = source if (r.temperature, r.top_p) == (temperature, top_p) else "data.regenerate.temperature and top_p"
+    print(f"[regenerate] the target's answers are decoded {how}: {why}")
+    if r.engine != "server":
         return
     turns = "every turn in turn" if r.turns is None else f"{r.turns} turn(s)"
     if r.url is not None:

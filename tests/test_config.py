@@ -173,6 +173,10 @@ def test_cli_dry_run_kimi_needs_only_the_checkpoints_small_files(tmp_path, vllm_
     serve = [s for s in plan["stages"] if s["stage"] == "serve"][0]
     assert serve["layer_ids"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 31]
     assert "eagle_aux_hidden_state_layer_ids" in proc.stdout
+    # its checkpoint's generation_config.json names no sampling: the family's documented thinking-mode settings
+    assert "[regenerate] the target's answers are decoded temperature 1.0, top_p 0.95: Moonshot's settings" in (
+        proc.stdout
+    )
     assert not list(outputs.rglob("jobs")), "a dry run submits nothing"
     assert not (outputs / "mlflow.db").exists(), "a dry run starts no MLflow run"
 

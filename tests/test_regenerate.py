@@ -355,13 +355,30 @@ def test_an_extraction_of_other_layers_reuses_the_targets_answers(fast_cache, tm
 
 
 def test_kimi_samples_its_answers_as_it_is_served_and_the_sampling_keys_the_answers(tmp_path):
-    """kimi_eagle3 regenerates at Moonshot's thinking-mode settings (temperature 1.0, top_p 0.95), each request
-    seeded; the answers' cache key covers top_p. A top_p outside (0, 1] is refused naming the key."""
+    """kimi_eagle3 regenerates as the target is served: at the sampling its checkpoint's generation_config.json
+    names, else at Moonshot's thinking-mode settings for the family (temperature 1.0, top_p 0.95), each request
+    seeded; greedy where the user asks; the tiny Llama, whose build names none, greedily. The resolved values key
+    the answers, and the dry run says where they come from. A top_p outside (0, 1] is refused naming the key."""
     from orchestrator.pipeline import stage_keys
+    from orchestrator.targets import served_sampling
 
-    cfg = compose_root(["+experiment=kimi_eagle3"])
+    cfg = compose_root(["+experiment=kimi_eagle3"])  # target.path holds no checkpoint here: the family's
     r = cfg.data.regenerate
     assert (r.temperature, r.top_p) == (1.0, 0.95)
+    checkpoint = tmp_path / "Kimi-K2.5"
+    checkpoint.mkdir()
+    (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": 163586, "temperature": 0.6,
+                                                                   "top_p": 0.9}))  # fmt: skip
+    own = compose_root(["+experiment=kimi_eagle3", f"target.path={checkpoint}"])
+    assert (own.data.regenerate.temperature, own.data.regenerate.top_p) == (0.6, 0.9)
+    family = compose_root(["+experiment=kimi_eagle3", f"target.path={tmp_path}"])  # no generation_config.json
+    assert stage_keys(own)["regenerated"] != stage_keys(family)["regenerated"]
+    greedy = compose_root(["+experiment=kimi_eagle3", f"target.path={checkpoint}", "data.regenerate.temperature=0"])
+    assert (greedy.data.regenerate.temperature, greedy.data.regenerate.top_p) == (0.0, 1.0)
+    tiny = compose_root(["+experiment=tiny_eagle3", "data.regenerate.enabled=true"]).data.regenerate
+    assert (tiny.temperature, tiny.top_p) == (0.0, 1.0)
+    assert served_sampling(own.target)[2] == str(checkpoint / "generation_config.json")
+    assert "platform.kimi.ai" in served_sampling(cfg.target)[2]
     sampled = ["+experiment=tiny_eagle3", "data.regenerate.enabled=true", "data.regenerate.engine=server",
                "data.regenerate.temperature=0.7", "serve=sglang"]  # fmt: skip
     keys = {p: stage_keys(compose_root([*sampled, f"data.regenerate.top_p={p}"])) for p in (0.95, 1.0)}

@@ -95,11 +95,13 @@ class RegenerateConfig:
     # every one, each given the conversation so far with the target's earlier answers, as SpecForge's, speculators'
     # and Model-Optimizer's regeneration scripts do. Each answered turn is one training sequence.
     turns: Optional[int] = MISSING
-    # 0: greedy, what the serve stage benchmarks; > 0 samples (seeded).
-    temperature: float = MISSING
+    # 0: greedy, what the serve stage benchmarks; > 0 samples (seeded). null: as the target is served by default,
+    # the checkpoint's generation_config.json, else its family's documented settings, else greedy
+    # (targets.served_sampling; resolved when the config loads, so the values key the answers).
+    temperature: Optional[float] = MISSING
     # above temperature 0: nucleus sampling over the smallest set of tokens whose probability reaches top_p; 1.0, the
-    # whole distribution. A thinking model's answers are sampled as it is served (conf/experiment/kimi_eagle3.yaml).
-    top_p: float = MISSING
+    # whole distribution; null as temperature. A thinking model's answers are sampled as it is served.
+    top_p: Optional[float] = MISSING
     # engine=hf: prompts per `generate` call.
     batch_size: int = MISSING
     # engine=server: the endpoint's base URL (http://HOST:PORT); null: start the target with the serve stage's

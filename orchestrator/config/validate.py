@@ -53,8 +53,21 @@ def load(cfg: DictConfig | dict) -> RootConfig:
         msg = str(exc).splitlines()[0]
         raise ConfigError(f"config key {key!r}: {msg}" if key else f"config: {msg}") from None
     apply_fallback(root)
+    resolve_sampling(root)
     validate(root)
     return root
+
+
+def resolve_sampling(cfg: RootConfig) -> None:
+    """data.regenerate.temperature and top_p null: the target's sampling as served (`targets.served_sampling`), so
+    that the resolved values, not null, key the answers."""
+    from orchestrator.targets import served_sampling
+
+    r = cfg.data.regenerate
+    if r.temperature is None or r.top_p is None:
+        temperature, top_p, _ = served_sampling(cfg.target)
+        r.temperature = temperature if r.temperature is None else r.temperature
+        r.top_p = (1.0 if r.temperature == 0 else top_p) if r.top_p is None else r.top_p  # greedy reads no top_p
 
 
 def apply_fallback(cfg: RootConfig) -> None:
