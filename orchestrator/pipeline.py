@@ -534,7 +534,8 @@ def run_pipeline(
         bad = preflight.failures(findings)
         return {"check": True, "ok": not bad, "failures": [str(f) for f in bad]}
     memory = preflight.memory_findings(cfg, Path(plan.target_dir))
-    bad = preflight.failures(preflight.config_findings(cfg) + memory)
+    found = preflight.config_findings(cfg)
+    bad = preflight.failures(found + memory)
     if bad and not (not cfg.serve.guard and all(f.category == "layer ids" for f in bad)):
         raise preflight.PreflightError(bad)
     check_data_rows(cfg, plan)
@@ -543,6 +544,9 @@ def run_pipeline(
     for finding in memory:
         print(f"[memory] {finding.message}")
     if cfg.dry_run:
+        for finding in found:  # each environment a job runs, what it holds, and the tokenizer loaded in each
+            if finding.category in ("engine environment", "tokenizer"):
+                print(f"[{finding.category}] {finding.message}")
         for finding in preflight.time_limit_findings(cfg):
             print(f"[time limits] {finding.message}")
         if "train" in cfg.stages:

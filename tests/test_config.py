@@ -173,6 +173,11 @@ def test_cli_dry_run_kimi_needs_only_the_checkpoints_small_files(tmp_path, vllm_
     serve = [s for s in plan["stages"] if s["stage"] == "serve"][0]
     assert serve["layer_ids"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 31]
     assert "eagle_aux_hidden_state_layer_ids" in proc.stdout
+    # each environment a job runs, what it holds, and the checkpoint's tokenizer code loaded in each
+    assert "sglang 0.5.23, as pinned, for the serve and extract stages run" in proc.stdout, proc.stdout
+    assert "[engine environment] extract.python=" in proc.stdout and "vllm 0.32.0, as pinned, for the extract and " \
+        "eval stages run" in proc.stdout  # fmt: skip
+    assert proc.stdout.count("[tokenizer] ") >= 3 and "TikTokenTokenizer loads in extract.python=" in proc.stdout
     # its checkpoint's generation_config.json names no sampling: the family's documented thinking-mode settings
     assert "[regenerate] the target's answers are decoded temperature 1.0, top_p 0.95: Moonshot's settings" in (
         proc.stdout
