@@ -18,12 +18,14 @@ entry. Adding a family is one entry here (and its rules in each engine, if its c
                        computes it from the table (orchestrator/engines/vllm/ids.py, `engine_layers`)
     sampling           the family's documented sampling as served (temperature, top_p), where its maker documents
                        one and the checkpoint's generation_config.json names none: what data.regenerate.temperature
-                       and top_p null take after the checkpoint's own (orchestrator/targets.py, `served_sampling`)
+                       and top_p null take after the checkpoint's own (`served_sampling`)
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 LOOPS = ("llama", "deepseek")
 # HF's names in a Llama or DeepSeek-V3 checkpoint (and in Kimi-K2.5's text model, under `language_model.`)
@@ -72,3 +74,18 @@ FAMILIES = {
 
 def names() -> tuple[str, ...]:
     return tuple(FAMILIES)
+
+
+def served_sampling(target) -> tuple[float, float, str]:
+    """(temperature, top_p, where they come from) of `target` (a TargetConfig) as its serving engines sample it by
+    default: the checkpoint's generation_config.json where it names them (vLLM 0.32 applies them as the default
+    sampling parameters, `--generation-config auto`; SGLang likewise), else its family's documented settings
+    (`Family.sampling`), else greedy. A tiny target's build names none."""
+    config = Path(target.path) / "generation_config.json" if target.path else None
+    named = json.loads(config.read_text()) if config is not None and config.is_file() else {}
+    if "temperature" in named or "top_p" in named:
+        return float(named.get("temperature", 1.0)), float(named.get("top_p", 1.0)), f"{config}"
+    family = FAMILIES.get(target.family)
+    if family is not None and family.sampling is not None:
+        return (*family.sampling, family.sampling_source)
+    return 0.0, 1.0, "greedy: neither the checkpoint's generation_config.json nor its family names a sampling"

@@ -208,7 +208,7 @@ def print_regenerate_command(cfg: RootConfig, plan: Plan) -> None:
     """The dry run: the server the extract job starts to regenerate the answers (data.regenerate.engine=server with
     no url: the serve stage's command without a draft, on a free port), checked by the serving engine's own parser
     where its environment has one; or the endpoint it is given."""
-    from orchestrator.targets import served_sampling
+    from orchestrator.families import served_sampling
 
     r = cfg.data.regenerate
     if not r.enabled:

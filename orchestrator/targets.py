@@ -277,21 +277,6 @@ def probe_tokenizer(python: str, path: Path, trust_remote_code: bool, timeout: f
     return out
 
 
-def served_sampling(target: TargetConfig) -> tuple[float, float, str]:
-    """(temperature, top_p, where they come from) of the target as its serving engines sample it by default: the
-    checkpoint's generation_config.json where it names them (vLLM 0.32 applies them as the default sampling
-    parameters, `--generation-config auto`; SGLang likewise), else its family's documented settings
-    (`families.Family.sampling`), else greedy. A tiny target's build names none."""
-    config = Path(target.path) / "generation_config.json" if target.path else None
-    named = json.loads(config.read_text()) if config is not None and config.is_file() else {}
-    if "temperature" in named or "top_p" in named:
-        return float(named.get("temperature", 1.0)), float(named.get("top_p", 1.0)), f"{config}"
-    family = families.FAMILIES.get(target.family)
-    if family is not None and family.sampling is not None:
-        return (*family.sampling, family.sampling_source)
-    return 0.0, 1.0, "greedy: neither the checkpoint's generation_config.json nor its family names a sampling"
-
-
 def end_token_ids(tokenizer) -> list[int]:
     """The tokens at which the serving engines end a response: the tokenizer's eos, then the ids the checkpoint's
     generation_config.json names as `eos_token_id` (an int or a list), as vLLM 0.32 stops at both

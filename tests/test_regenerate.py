@@ -359,8 +359,8 @@ def test_kimi_samples_its_answers_as_it_is_served_and_the_sampling_keys_the_answ
     names, else at Moonshot's thinking-mode settings for the family (temperature 1.0, top_p 0.95), each request
     seeded; greedy where the user asks; the tiny Llama, whose build names none, greedily. The resolved values key
     the answers, and the dry run says where they come from. A top_p outside (0, 1] is refused naming the key."""
+    from orchestrator.families import served_sampling
     from orchestrator.pipeline import stage_keys
-    from orchestrator.targets import served_sampling
 
     cfg = compose_root(["+experiment=kimi_eagle3"])  # target.path holds no checkpoint here: the family's
     r = cfg.data.regenerate

@@ -97,7 +97,7 @@ class RegenerateConfig:
     turns: Optional[int] = MISSING
     # 0: greedy, what the serve stage benchmarks; > 0 samples (seeded). null: as the target is served by default,
     # the checkpoint's generation_config.json, else its family's documented settings, else greedy
-    # (targets.served_sampling; resolved when the config loads, so the values key the answers).
+    # (families.served_sampling; resolved when the config loads, so the values key the answers).
     temperature: Optional[float] = MISSING
     # above temperature 0: nucleus sampling over the smallest set of tokens whose probability reaches top_p; 1.0, the
     # whole distribution; null as temperature. A thinking model's answers are sampled as it is served.

@@ -59,9 +59,9 @@ def load(cfg: DictConfig | dict) -> RootConfig:
 
 
 def resolve_sampling(cfg: RootConfig) -> None:
-    """data.regenerate.temperature and top_p null: the target's sampling as served (`targets.served_sampling`), so
+    """data.regenerate.temperature and top_p null: the target's sampling as served (`families.served_sampling`), so
     that the resolved values, not null, key the answers."""
-    from orchestrator.targets import served_sampling
+    from orchestrator.families import served_sampling
 
     r = cfg.data.regenerate
     if r.temperature is None or r.top_p is None:
