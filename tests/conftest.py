@@ -68,6 +68,7 @@ SMALL_DRAFT_SHAPE = DraftShape(
 FAST = [
     # the reference engine: exact in float32 and seconds to start; vLLM serves in the `vllm` tests (test_vllm.py)
     "serve=reference",
+    # the target's recipe: its build is kept in orchestrator/tiny/shipped/tiny_llama_fast, copied, not built
     "target.tiny.train.steps=60",
     "target.tiny.train.max_files=80",
     "data.max_files=80",
@@ -211,8 +212,9 @@ TINY_KIMI_TRAIN = {
 
 @pytest.fixture(scope="session")
 def tiny_kimi_dir(tiny_config, tmp_path_factory) -> Path:
-    """The small tiny Kimi (TINY_KIMI_MODEL, TINY_KIMI_TRAIN), built once per session: the Kimi-K2.5 checkpoint
-    layout that HF (test_tiny_kimi.py) and vLLM (test_vllm.py) both load."""
+    """The small tiny Kimi (TINY_KIMI_MODEL, TINY_KIMI_TRAIN), once per session: the Kimi-K2.5 checkpoint layout
+    that HF (test_tiny_kimi.py) and vLLM (test_vllm.py) both load; its build is kept in
+    orchestrator/tiny/shipped/tiny_kimi_small and copied."""
     from orchestrator.tiny import build_tiny_target
 
     tiny = tiny_config(experiment="tiny_kimi_eagle3", fast=False).target.tiny

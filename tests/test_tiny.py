@@ -277,3 +277,11 @@ def test_the_demos_target_is_the_repositorys_copy_and_a_rebuild_is_another_targe
     assert all(keys[stage] != other[stage] for stage in ("extract", "train", "eval")), (keys, other)
     with pytest.raises(AssertionError, match="built again"):  # a rebuild trains: here, the patched builder says so
         ensure_target(tiny_config(f"outputs_dir={tmp_path}", "target.tiny.rebuild=true", fast=False), progress=False)
+    # the tests' own recipes are kept too: the FAST target and the small tiny Kimi are copied, never built
+    fast = tiny_config().target.tiny
+    assert build_mod.shipped_build(fast.arch, dict(fast.model), dict(fast.train), cfg.seed).name == "tiny_llama_fast"
+    from conftest import TINY_KIMI_MODEL, TINY_KIMI_TRAIN
+
+    kimi = tiny_config(experiment="tiny_kimi_eagle3", fast=False).target.tiny
+    small = build_mod.shipped_build(kimi.arch, {**kimi.model, **TINY_KIMI_MODEL}, {**kimi.train, **TINY_KIMI_TRAIN}, 0)
+    assert small is not None and small.name == "tiny_kimi_small"
