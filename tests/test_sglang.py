@@ -176,6 +176,11 @@ def test_a_users_own_device_flag_replaces_the_cpu_default_whole():
         )
         argv = sglang.launch_command(cfg, "/t", None, PORT)
         assert "cpu" not in argv and argv.count("--disable-overlap-schedule") == 1, argv
+        assert argv[argv.index("--max-total-tokens") + 1] == "65536", argv  # a bounded KV pool on the CPU
+    own = make_config(["+experiment=tiny_eagle3", "serve=sglang", "serve.fallback=null",
+                       "serve.extra_args=[--max-total-tokens,4096]"])  # fmt: skip
+    argv = sglang.launch_command(own, "/t", None, PORT)
+    assert argv.count("--max-total-tokens") == 1 and argv[argv.index("--max-total-tokens") + 1] == "4096", argv
 
 
 def test_kimi_draft_config_matches_golden():

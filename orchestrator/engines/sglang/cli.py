@@ -25,8 +25,10 @@ from orchestrator.draft.guard import ServingRefused
 MODULE = "sglang.launch_server"
 ALGORITHM = "EAGLE3"
 CPU_LAUNCHER = Path(__file__).with_name("cpu_kernels") / "launch.py"
-# SGLang's CPU engine: one batch at a time (its overlap scheduler is a GPU feature), on the CPU device.
-CPU_FLAGS = [["--device", "cpu"], ["--disable-overlap-schedule"]]
+# SGLang's CPU engine: one batch at a time (its overlap scheduler is a GPU feature), on the CPU device, with a KV
+# pool of 65,536 tokens: left to itself it sizes the pool by the machine's free memory (1.6 M tokens, 12 GB for the
+# tiny Llama here, 16 s of each start-up spent allocating it). serve.extra_args setting a flag replaces its value.
+CPU_FLAGS = [["--device", "cpu"], ["--disable-overlap-schedule"], ["--max-total-tokens", "65536"]]
 
 # Flags `launch_command` sets from a serve.* key; setting them again in extra_args would silently win
 # (argparse keeps the last value), so they are refused there with the key to use instead.
