@@ -225,21 +225,25 @@ def tokenizer_environments(cfg: RootConfig) -> list[tuple[str, str]]:
 
 def tokenizer_findings(cfg: RootConfig) -> list[Finding]:
     """The checkpoint's tokenizer at target.path loaded, before any job, in every environment a job will load it in
-    (`tokenizer_environments`, concurrently): remote code that cannot load under an environment's transformers (an
+    (`tokenizer_environments`, concurrently; once for environments with the same package versions,
+    `targets.tokenizer_packages`): remote code that cannot load under an environment's transformers (an
     earlier tokenization_kimi.py importing bytes_to_unicode from transformers' gpt2 module, which transformers 5
     removed) is refused naming the file, the version and the fix; a thinking marker its chat template writes
     (`<think>`, `</think>`) that is not one token is refused, since the draft would learn it spelled out."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from orchestrator.targets import THINKING_MARKERS, probe_tokenizer
+    from orchestrator.targets import THINKING_MARKERS, probe_tokenizer, tokenizer_packages
 
     t = cfg.target
     path = Path(t.path) if t.path else None
     if path is None or not (path / "tokenizer_config.json").is_file():
         return []
     places = tokenizer_environments(cfg)
-    with ThreadPoolExecutor(len(places)) as pool:
-        probes = list(pool.map(lambda place: probe_tokenizer(place[0], path, t.trust_remote_code), places))
+    with ThreadPoolExecutor(len(places)) as pool:  # the environments' package versions, then one load per set
+        sets = list(pool.map(lambda place: tokenizer_packages(place[0]), places))
+        first = {versions: python for (python, _), versions in reversed(list(zip(places, sets)))}
+        loads = dict(zip(first, pool.map(lambda py: probe_tokenizer(py, path, t.trust_remote_code), first.values())))
+    probes = [loads[versions] for versions in sets]
     out = []
     for (_, where), probe in zip(places, probes, strict=True):
         version = f"transformers {probe.get('transformers', '(unknown version)')}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -234,10 +235,39 @@ def tokenizer_files_fingerprint(path: Path) -> str:
 _PROBES: dict[tuple, dict[str, Any]] = {}
 
 
+# What a tokenizer load depends on in an environment, read from its package metadata without importing them.
+TOKENIZER_PACKAGES = ("transformers", "tokenizers", "tiktoken", "sentencepiece")
+_PACKAGES_SCRIPT = (
+    "import importlib.metadata as m, json, sys\n"
+    "def v(d):\n"
+    "    try:\n"
+    "        return m.version(d)\n"
+    "    except m.PackageNotFoundError:\n"
+    "        return None\n"
+    "print(json.dumps([list(sys.version_info[:2])] + [v(d) for d in sys.argv[1:]]))"
+)
+
+
+@functools.lru_cache(maxsize=64)
+def tokenizer_packages(python: str) -> str:
+    """The Python version and `TOKENIZER_PACKAGES`' versions in the environment of `python` (a JSON list; the
+    interpreter's path where they cannot be read)."""
+    import subprocess
+
+    try:
+        done = subprocess.run([python, "-c", _PACKAGES_SCRIPT, *TOKENIZER_PACKAGES], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return python
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.startswith("[") else python
+
+
 def _probe(python: str, path: str, trust_remote_code: bool, timeout: float) -> dict[str, Any]:
-    """One probe of a folder's tokenizer files in one environment; the same files in the same environment once per
-    process (a search's trials, one test session's checkpoints)."""
-    key = (python, tokenizer_files_fingerprint(Path(path)), trust_remote_code)
+    """One probe of a folder's tokenizer files per set of package versions (`tokenizer_packages`) and process: two
+    environments with the same Python, transformers, tokenizers, tiktoken and sentencepiece load the same files
+    the same way (a search's trials, one test session's checkpoints, the serving and capture environments of one
+    cluster)."""
+    key = (tokenizer_packages(python), tokenizer_files_fingerprint(Path(path)), trust_remote_code)
     if key not in _PROBES:
         _PROBES[key] = _run_probe(python, path, trust_remote_code, timeout)
     return _PROBES[key]
