@@ -80,12 +80,13 @@ def served_sampling(target) -> tuple[float, float, str]:
     """(temperature, top_p, where they come from) of `target` (a TargetConfig) as its serving engines sample it by
     default: the checkpoint's generation_config.json where it names them (vLLM 0.32 applies them as the default
     sampling parameters, `--generation-config auto`; SGLang likewise), else its family's documented settings
-    (`Family.sampling`), else greedy. A tiny target's build names none."""
+    (`Family.sampling`), else greedy. A tiny target (`target.tiny`, even at a target.path) is no model its family's
+    maker documents, and its build's generation_config.json names none: greedy."""
     config = Path(target.path) / "generation_config.json" if target.path else None
     named = json.loads(config.read_text()) if config is not None and config.is_file() else {}
     if "temperature" in named or "top_p" in named:
         return float(named.get("temperature", 1.0)), float(named.get("top_p", 1.0)), f"{config}"
     family = FAMILIES.get(target.family)
-    if family is not None and family.sampling is not None:
+    if family is not None and family.sampling is not None and target.tiny is None:
         return (*family.sampling, family.sampling_source)
     return 0.0, 1.0, "greedy: neither the checkpoint's generation_config.json nor its family names a sampling"

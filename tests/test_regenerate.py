@@ -377,6 +377,10 @@ def test_kimi_samples_its_answers_as_it_is_served_and_the_sampling_keys_the_answ
     assert (greedy.data.regenerate.temperature, greedy.data.regenerate.top_p) == (0.0, 1.0)
     tiny = compose_root(["+experiment=tiny_eagle3", "data.regenerate.enabled=true"]).data.regenerate
     assert (tiny.temperature, tiny.top_p) == (0.0, 1.0)
+    # the tiny Kimi is of Kimi's family but no model Moonshot documents: greedy, at a target.path too
+    for where in ([], [f"target.path={tmp_path}"]):
+        small = compose_root(["+experiment=tiny_kimi_eagle3", *where]).data.regenerate
+        assert (small.temperature, small.top_p) == (0.0, 1.0), where
     assert served_sampling(own.target)[2] == str(checkpoint / "generation_config.json")
     assert "platform.kimi.ai" in served_sampling(cfg.target)[2]
     sampled = ["+experiment=tiny_eagle3", "data.regenerate.enabled=true", "data.regenerate.engine=server",
