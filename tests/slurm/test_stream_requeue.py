@@ -33,7 +33,10 @@ from slurm.test_pipeline_slurm import (  # noqa: E402
     wait_terminal,
 )
 
-STEPS = 120  # 10 epochs of the FAST split's 12 steps: a training that outlasts the signal of a one-minute limit
+# 20 epochs of the FAST split's 12 steps: a training that outlasts the signal of a one-minute limit, sent 25 s before
+# it (at slurmctld's next periodic look at time limits, not on the second). 120 steps, a 28 s job here once the tests'
+# targets were kept rather than built beside it, ended before the signal: no requeue was seen.
+STEPS = 240
 STREAM = [
     "+experiment=tiny_eagle3",
     *SLURM_FAST,
@@ -98,7 +101,7 @@ def test_a_streamed_training_at_its_time_limit_is_requeued_resumes_and_trains_th
     stopping. Each start resumes from the last checkpoint and declares its step; the service starts over there."""
     outputs = _outputs(fast_cache, tmp_path / "outputs")
     limited = ["train.resources.timeout_min=1", "train.collective_timeout_min=0.5", "cluster.signal_delay_s=25",
-               "cluster.spare_requeues=8"]  # fmt: skip
+               "cluster.spare_requeues=12"]  # fmt: skip
     proc = cli(outputs, *STREAM, *limited, timeout=1200)
     (run_dir,) = (outputs / "runs").glob("*/*")
     jobs = run_jobs(run_dir)
