@@ -25,8 +25,10 @@ CODE_VERSION = {"extract": 5, "train": 4, "eval": 6, "serve": 7}
 # The modules (relative to the package, globs allowed) whose code decides each stage's cached output.
 STAGE_CODE = {
     "extract": ("stages/extract.py", "capture.py", "regenerate.py", "data.py", "states/*.py", "engines/hf/*.py",
-                "engines/vllm/capture.py", "engines/vllm/side/*.py", "tiny/*.py", "wrappers.py", "families.py",
-                "layers.py", "targets.py", "compute.py"),
+                "engines/vllm/capture.py", "engines/vllm/side/*.py", "engines/sglang/capture.py",
+                "engines/sglang/cli.py", "engines/sglang/cpu_kernels/*.py",
+                "engines/sglang/cpu_kernels/sgl_kernel/*.py", "tiny/*.py", "wrappers.py", "families.py", "layers.py",
+                "targets.py", "compute.py"),
     "train": ("stages/train.py", "draft/*.py", "states/*.py", "compute.py"),
     "eval": ("stages/eval.py", "draft/*.py", "capture.py", "engines/hf/*.py", "engines/vllm/capture.py",
              "engines/vllm/side/*.py", "states/*.py", "compute.py"),

@@ -158,11 +158,15 @@ def one_pass_rendered(prompt: list[int], generated: list[int], max_new_tokens: i
 def _rendered(prompt: list[int], response: list[int], ends: list[int], max_len: int) -> Rendered:
     """The prompt and the response through its first end token (`end_token_ids`), within `max_len`; the loss
     covers the response."""
-    end = next((i for i, token in enumerate(response) if token in ends), None)
-    if end is not None:
-        response = response[: end + 1]
-    response = response[: max_len - len(prompt)]
+    response = through_first_end(response, ends)[: max_len - len(prompt)]
     return Rendered(list(prompt) + response, [0] * len(prompt) + [1] * len(response))
+
+
+def through_first_end(response: list[int], ends) -> list[int]:
+    """`response` through its first end token (`end_token_ids`), whole where it has none: an answer as its
+    server returns it, which stops there."""
+    end = next((i for i, token in enumerate(response) if token in ends), None)
+    return list(response) if end is None else list(response[: end + 1])
 
 
 def hf_responses(model, tokenizer, prompts: list[list[int]], max_len: int, r, seed: int, desc: str) -> list[Rendered]:

@@ -19,21 +19,21 @@ from orchestrator.pipeline import run_pipeline, stage_layer_ids
 
 def test_the_registry_finds_each_engine_by_its_module_and_role():
     assert engines.names(engines.SERVE) == ("reference", "sglang", "vllm")
-    assert engines.names(engines.CAPTURE) == ("hf", "vllm")
+    assert engines.names(engines.CAPTURE) == ("hf", "sglang", "vllm")
     assert {name: engines.get(name).name for name in engines.names()} == {n: n for n in engines.names()}
     with pytest.raises(engines.EngineError, match=r"unknown engine 'tensorrt'; expected one of \("):
         engines.get("tensorrt")
     with pytest.raises(engines.EngineError, match=r"engine 'hf' does not serve; the engines that do: \('reference'"):
         engines.get("hf", engines.SERVE)
-    with pytest.raises(engines.EngineError, match="engine 'sglang' has no capture"):
-        engines.get("sglang").open_capture(None, None)
+    with pytest.raises(engines.EngineError, match="engine 'reference' has no capture"):
+        engines.get("reference").open_capture(None, None)
 
 
 def test_the_config_refuses_an_engine_for_a_role_it_does_not_play(tiny_config):
     with pytest.raises(ConfigError, match=r"serve.engine='hf': expected one of \('reference', 'sglang', 'vllm'\)"):
         tiny_config("serve.engine=hf")
-    with pytest.raises(ConfigError, match=r"extract.engine='sglang': expected one of \('hf', 'vllm'\)"):
-        tiny_config("extract.engine=sglang")
+    with pytest.raises(ConfigError, match=r"extract.engine='reference': expected one of \('hf', 'sglang', 'vllm'\)"):
+        tiny_config("extract.engine=reference")
     with pytest.raises(ConfigError, match="regenerate.engine=one_pass with extract.engine=hf.*extract.engine=vllm"):
         tiny_config("data.regenerate.engine=one_pass")
 
@@ -168,7 +168,7 @@ def mirror_engine(tmp_path, monkeypatch):
 
 
 def test_a_capture_engine_added_as_one_package_and_one_yaml_plans_an_extraction(mirror_engine, tiny_config, tmp_path):
-    assert engines.names(engines.CAPTURE) == ("hf", "mirror", "vllm")
+    assert engines.names(engines.CAPTURE) == ("hf", "mirror", "sglang", "vllm")
     assert "mirror" not in engines.names(engines.SERVE)
     cfg = tiny_config(*mirror_engine, "dry_run=true")
     assert cfg.extract.engine == "mirror"

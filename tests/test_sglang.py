@@ -478,3 +478,38 @@ def test_the_kimi_dry_run_prints_both_server_commands_and_sglangs_parser_accepts
     line = next(x for x in out.splitlines() if x.startswith("[regenerate] the extract job serves the target"))
     assert "(every turn in turn, 4096 new tokens at most)" in line
     assert line.split("): ", 1)[1].split() == baseline, "regeneration serves the target as the baseline does"
+
+
+def test_sglang_captures_from_its_own_environment_with_a_post_norm_teacher(sglang_python, tiny_config):
+    """extract.engine=sglang before any job: its environment (extract=sglang selects it), a post_norm teacher (SGLang
+    answers the final norm's output, never the last layer's raw one), no regeneration by HF in this process, not an
+    eval engine; the embedding output computed where capture mode would need id -1 (the Llama rule) and captured
+    where the DeepSeek rule names it with id 0."""
+    from orchestrator.config import ConfigError
+    from orchestrator.engines.sglang.capture import capture_plan
+
+    with pytest.raises(ConfigError, match=r"extract.python=.* holds no sglang.*select extract=sglang"):
+        tiny_config("extract.engine=sglang", "data.regenerate.enabled=false")
+    ours = (f"extract.python={sglang_python}", "extract=sglang")
+    with pytest.raises(ConfigError, match=r"extract.teacher=pre_norm with extract.engine=sglang: .*no id captures"):
+        tiny_config(*ours, "data.regenerate.enabled=false", "extract.teacher=pre_norm")
+    with pytest.raises(ConfigError, match=r"data.regenerate.engine=hf with extract.engine=sglang"):
+        tiny_config(*ours, "data.regenerate.enabled=true", "data.regenerate.engine=hf")
+    with pytest.raises(ConfigError, match=r"eval.engine=sglang: .*set eval.engine=vllm"):
+        tiny_config(*ours, "data.regenerate.enabled=false", "eval.engine=sglang")
+    with pytest.raises(ConfigError, match=r"aux_layers=\[-1\] through SGLang's capture mode"):
+        tiny_config(*ours, "data.regenerate.enabled=false", "aux_layers=[-1]", "draft.num_aux_layers=1")
+    cfg = tiny_config(*ours, "data.regenerate.enabled=false", "aux_layers=[-1,3,5]")
+    assert cfg.extract.engine == "sglang" and cfg.extract.python == sglang_python
+    assert capture_plan(cfg, [-1, 3, 5]) == ([3, 5], True)  # Llama: id == canonical, -1 refused by capture mode
+    assert capture_plan(cfg, [1, 4, 6]) == ([1, 4, 6], False)
+    deepseek = tiny_config(*ours, "data.regenerate.enabled=false", "target=tiny_deepseek_v3", "aux_layers=[-1,1,2]")
+    assert capture_plan(deepseek, [-1, 1, 2]) == ([0, 2, 3], False)  # DeepSeek: id 0 enters layer 0, the embedding
+    command = sglang.capture_command(cfg, "/t", [3, 5], 1234, python=sglang_python, gpus=0, dtype="float32")
+    assert command[1] == str(sglang.CPU_LAUNCHER) and "--disable-radix-cache" in command
+    assert command[command.index("--return-aux-hidden-state-layer-ids") + 1 :][:2] == ["3", "5"]
+    final = sglang.capture_command(cfg, "/t", None, 1234, python=sglang_python, gpus=2, dtype="bfloat16")
+    assert final[1:3] == ["-m", "sglang.launch_server"] and "--enable-return-hidden-states" in final
+    assert final[final.index("--tp-size") + 1] == "2" and "--enable-return-aux-hidden-states" not in final
+    for argv in (command, final):
+        sglang.validate_with_sglang(sglang_python, argv)  # SGLang's own parser takes both

@@ -1,6 +1,7 @@
 """serve=sglang on this CPU: SGLang 0.5.23 itself (scripts/make_sglang_env.sh; scripts/test.sh builds it), started
 through orchestrator/engines/sglang/cpu_kernels/launch.py with the project's PyTorch stand-in for sgl_kernel, serves
-the FAST draft, captures the target's states, and counts the seed's collapse in its own counters."""
+the FAST draft, extracts and streams the target's states as HF computes them (extract=sglang), and counts the seed's
+collapse in its own counters."""
 
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import copy_cache
-from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file
 
-from orchestrator import engines
-from orchestrator.engines import client
+from orchestrator.artifacts import read_json
 from orchestrator.engines.sglang import cli as sglang
 from orchestrator.pipeline import make_plan, run_pipeline
 from orchestrator.preflight import PreflightError
@@ -74,41 +74,6 @@ def test_sglang_serves_the_draft_on_this_cpu_and_its_counts_agree_with_eval(sgla
     assert "fallback to torch_native" not in log
 
 
-def test_sglangs_captured_states_equal_hfs(sglang_python, fast_cache, tiny_config, tmp_path):
-    """SGLang's capture mode (no draft, `--return-aux-hidden-state-layer-ids 1 4 6`) on the tiny Llama: the states it
-    returns for a prompt and its greedy answer are HF's `output_hidden_states` at the canonical layers the project's
-    SGLang rule names, within float32 rounding."""
-    outputs = _fast_outputs(fast_cache, tmp_path)
-    cfg = tiny_config("cluster=local", "serve=sglang", f"serve.python={sglang_python}", f"outputs_dir={outputs}")
-    target = Path(make_plan(cfg, tmp_path / "run").target_dir)
-    ids, port = [1, 4, 6], client.free_port()
-    command = sglang.capture_command(cfg, str(target), ids, port)
-    prompt = [1, 20, 30, 40, 50, 60, 70]
-    with client.ServerProcess(command, port, tmp_path / "capture.log", 600, sglang.server_env(cfg)) as server:
-        payload = {
-            "input_ids": prompt,
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
-            "return_hidden_states": True,
-        }
-        answer = client.post_json(server, "/generate", payload, 300)
-    states = answer["meta_info"]["hidden_states"]
-    captured = torch.cat([torch.tensor(states[0])] + [torch.tensor(s)[None] for s in states[1:]])
-    layers = engines.from_engine_ids("sglang", ids, cfg.target.num_hidden_layers, "llama", cfg.serve.sglang_version)
-    assert layers == [1, 4, 6]
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    sequence = prompt + answer["output_ids"]
-    with torch.no_grad():
-        out = model(torch.tensor([sequence]), output_hidden_states=True)
-    # canonical i is the output of decoder layer i: HF's hidden_states[i + 1]
-    expected = torch.cat([out.hidden_states[i + 1][0] for i in layers], dim=-1)[: captured.shape[0]]
-    assert captured.shape == (len(prompt) + len(answer["output_ids"]) - 1, len(ids) * cfg.target.hidden_size)
-    assert answer["output_ids"] == out.logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
-    torch.testing.assert_close(captured, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    # and another layer's states are not within that rounding: the comparison can tell layers apart
-    other = torch.cat([out.hidden_states[i + 2][0] for i in layers], dim=-1)[: captured.shape[0]]
-    assert not torch.allclose(captured, other, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
-
-
 def test_the_seeds_mismatch_collapses_in_sglangs_own_counts_and_the_guard_refuses_it(
     sglang_python, served_outputs, tiny_config, tmp_path, monkeypatch
 ):
@@ -135,3 +100,65 @@ def test_the_seeds_mismatch_collapses_in_sglangs_own_counts_and_the_guard_refuse
     assert abs(serve["accept_length"] - predicted) / predicted <= 0.10, (serve["accept_length"], predicted)
     assert serve["greedy_outputs_identical"] is True  # speculation never changes greedy output, only its speed
     assert summary["mismatch_flags"], "the run with the guard off says what it served"
+
+
+def test_sglang_extracts_and_streams_the_states_hf_computes(sglang_python, fast_cache, tiny_config, tmp_path,
+                                                            monkeypatch):  # fmt: skip
+    """extract=sglang with train.states=stream, against HF offline on the same data and seed, at aux_layers [-1, 3, 5]:
+    the validation split extracted through SGLang's two servers (capture mode for the aux layers at SGLang's ids, the
+    second server's final states for the post_norm teacher; the embedding output computed from the checkpoint's table,
+    as capture mode refuses the Llama rule's id -1) equals HF's shards: the same tokens and masks, the embedding block
+    bit for bit, every state within float32 rounding, each layer's block far from another layer's. The training split
+    streamed from SGLang's capture service trains the draft HF's stored states train, up to that rounding. The
+    manifest names the engine, its ids and what was computed."""
+    monkeypatch.setenv("SGLANG_PYTHON", sglang_python)
+    outputs = copy_cache(fast_cache("extract"), tmp_path / "outputs", ("targets",))
+    common = ("cluster=debug", f"outputs_dir={outputs}", "data.regenerate.enabled=false", "extract.dtype=float32",
+              "stages=[extract,train]", "aux_layers=[-1,3,5]", "data.max_train_conversations=40")  # fmt: skip
+    runs = {}
+    for name, chosen in (("hf", ()), ("sglang", ("extract=sglang", "train.states=stream"))):
+        cfg = tiny_config(*common, *chosen)
+        summary = run_pipeline(cfg, tmp_path / name)
+        runs[name] = (make_plan(cfg, tmp_path / name).dir("extract"), summary["stages"]["train"])
+    (hf_dir, hf_train), (sg_dir, sg_train) = runs["hf"], runs["sglang"]
+    manifest = read_json(sg_dir / "manifest.json", "manifest")
+    assert manifest["capture_engine"] == {
+        "name": "sglang", "sglang_version": "0.5.23", "installed_version": "0.5.23", "ids": [3, 5], "mode": "capture",
+        "captured_layers": [3, 5], "computed_layers": [-1],
+        "embedding": "layer -1 computed from the checkpoint's embed_tokens.weight (SGLang's capture mode "
+                     "refuses its id -1)",
+    }  # fmt: skip
+    logs = sorted(p.name for p in (sg_dir / "logs" / "rank0").glob("sglang_*_server.log"))
+    assert logs == ["sglang_aux_server.log", "sglang_final_server.log"]
+    shards = sorted(p.relative_to(sg_dir) for p in sg_dir.glob("*/shard_*.safetensors"))
+    hidden, worst, apart, compared = cfg.target.hidden_size, 0.0, float("inf"), 0
+    for shard in shards:
+        hf, sg = load_file(str(hf_dir / shard)), load_file(str(sg_dir / shard))
+        if shard.parts[0] == "train":  # streamed: its token ids alone
+            assert "aux_hidden_states" not in sg and torch.equal(hf["input_ids"], sg["input_ids"])
+            continue
+        compared += 1
+        assert hf.keys() == sg.keys()
+        for key in ("input_ids", "loss_mask", "seq_lens"):
+            assert torch.equal(hf[key], sg[key]), (shard, key)
+        assert torch.equal(hf["aux_hidden_states"][:, :hidden], sg["aux_hidden_states"][:, :hidden])  # the table's rows
+        for key in ("aux_hidden_states", "teacher_hidden_state"):
+            worst = max(worst, float((hf[key] - sg[key]).abs().max() / hf[key].abs().max()))
+        # the tolerance tells layers apart: SGLang's layer-3 block against HF's layer-5 block, and the other way
+        for ours, theirs in ((1, 2), (2, 1)):
+            mine = sg["aux_hidden_states"][:, ours * hidden : (ours + 1) * hidden]
+            other = hf["aux_hidden_states"][:, theirs * hidden : (theirs + 1) * hidden]
+            apart = min(apart, float((mine - other).abs().max() / other.abs().max()))
+    assert compared >= 1
+    assert sg_train["stream"]["captured_sequences"] == cfg.train.max_steps * cfg.train.batch_size
+    w_hf = load_file(str(Path(hf_train["draft_dir"]) / "model.safetensors"))
+    w_sg = load_file(str(Path(sg_train["draft_dir"]) / "model.safetensors"))
+    assert w_hf.keys() == w_sg.keys()
+    assert all(torch.equal(w_hf[n], w_sg[n]) for n in w_hf if not w_hf[n].is_floating_point())  # the vocabulary map
+    drift = max(float((w_hf[n] - w_sg[n]).abs().max()) for n in w_hf if w_hf[n].is_floating_point())
+    print(f"SGLang's states differ from HF's by {worst:.1e} at most, another layer's by {apart:.2f}; the streamed "
+          f"draft's weights from HF's offline draft's by {drift:.1e}, val loss {sg_train['val_loss']:.5f} against "
+          f"{hf_train['val_loss']:.5f}")  # fmt: skip
+    assert worst < 1e-4 < 0.05 < apart, (worst, apart)
+    assert sg_train["val_loss"] == pytest.approx(hf_train["val_loss"], rel=1e-3)
+    assert drift < 1e-3, drift

@@ -3,7 +3,7 @@
     engine      package               serves (serve.engine)    captures (extract.engine)
     hf          engines/hf/           -                        forward hooks on the transformers model
     vllm        engines/vllm/         its OpenAI server        its extract_hidden_states extractor
-    sglang      engines/sglang/       its HTTP server          - (its capture mode runs, not yet as an extract engine)
+    sglang      engines/sglang/       its HTTP server          its capture mode, beside a server for the final states
     reference   engines/reference/    the project's server     -
 
 A package's __init__ is its adapter (`ENGINE`); beside it, what it needs of its engine: vllm's command lines and

@@ -119,9 +119,9 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
 
 
-def post_json(server: ServerProcess, path: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """POSTs to the server, its JSON answer with the request's `latency_s`; a timeout, a dropped connection or an
-    error status raises ServerError with the server's log tail."""
+def post_json(server: ServerProcess, path: str, payload: dict[str, Any], timeout: float) -> Any:
+    """POSTs to the server, its JSON answer with the request's `latency_s` (a batch's list of answers without it); a
+    timeout, a dropped connection or an error status raises ServerError with the server's log tail."""
     started = time.perf_counter()
     try:
         r = requests.post(f"{server.url}{path}", json=payload, timeout=timeout)
@@ -135,7 +135,8 @@ def post_json(server: ServerProcess, path: str, payload: dict[str, Any], timeout
     if r.status_code != 200:
         raise server.fail(f"{path} answered {r.status_code}: {r.text[:500]}")
     body = r.json()
-    body["latency_s"] = time.perf_counter() - started
+    if isinstance(body, dict):  # a batch's answer is a list of them, one per prompt
+        body["latency_s"] = time.perf_counter() - started
     return body
 
 

@@ -1,7 +1,8 @@
 """SGLang's command line: the only module that knows it (sglang 0.5.23; docs/engines.md#sglang-launch-command).
 
     launch_command            the `python -m sglang.launch_server ...` argv, speculative or baseline
-    capture_command           the argv of SGLang's capture mode: the target alone, returning the states at given ids
+    capture_command           the argv of a server of the target alone that answers states: its capture mode's (the
+                              states at given ids) or the final norm's output
     server_env                the environment SGLang's CPU engine needs
     validate_with_sglang      parses an argv with sglang's own argparse parser, in the serving environment
 
@@ -29,6 +30,9 @@ CPU_LAUNCHER = Path(__file__).with_name("cpu_kernels") / "launch.py"
 # pool of 65,536 tokens: left to itself it sizes the pool by the machine's free memory (1.6 M tokens, 12 GB for the
 # tiny Llama here, 16 s of each start-up spent allocating it). serve.extra_args setting a flag replaces its value.
 CPU_FLAGS = [["--device", "cpu"], ["--disable-overlap-schedule"], ["--max-total-tokens", "65536"]]
+# An extraction through SGLang keeps two servers of the target up on the task's GPUs (orchestrator/engines/sglang/
+# capture.py): each takes this fraction of their memory for its weights and KV pool.
+CAPTURE_MEM_FRACTION = 0.42
 
 # Flags `launch_command` sets from a serve.* key; setting them again in extra_args would silently win
 # (argparse keeps the last value), so they are refused there with the key to use instead.
@@ -89,15 +93,48 @@ def launch_command(
     return argv
 
 
-def capture_command(cfg: RootConfig, target_path: str, ids: list[int], port: int, host: str = "127.0.0.1") -> list[str]:
-    """SGLang's capture mode: no draft, `--enable-return-aux-hidden-states` with EAGLE-3's id list
-    (`--return-aux-hidden-state-layer-ids`, SGLang's convention; sglang/srt/arg_groups/validation_hook.py). A
-    /generate request with `"return_hidden_states": true` then answers in `meta_info["hidden_states"]` the prompt's
-    states ([prompt, len(ids) * hidden], concatenated in id order), then one vector per decoded token but the last."""
-    argv = launch_command(cfg, target_path, None, port, host)
-    at = argv.index("--host")
-    flags = ["--enable-return-aux-hidden-states", "--speculative-algorithm", ALGORITHM]
-    return [*argv[:at], *flags, "--return-aux-hidden-state-layer-ids", *map(str, ids), *argv[at:]]
+def capture_command(
+    cfg: RootConfig,
+    target_path: str,
+    ids: list[int] | None,
+    port: int,
+    host: str = "127.0.0.1",
+    *,
+    python: str | None = None,
+    gpus: int | None = None,
+    dtype: str | None = None,
+) -> list[str]:
+    """A server of the target alone whose /generate, asked with `"return_hidden_states": true`, answers states: with
+    `ids`, SGLang's capture mode (`--enable-return-aux-hidden-states` with EAGLE-3's id list,
+    `--return-aux-hidden-state-layer-ids`, SGLang's convention; sglang/srt/arg_groups/validation_hook.py), whose
+    states are the aux ones concatenated in id order; with `ids=None`, `--enable-return-hidden-states`, whose states
+    are what the target's head reads (the final norm's output). Either answers the prompt's states ([prompt, width]),
+    then one vector per decoded token but the last. Without the radix cache: a prefix an earlier request left cached
+    is not computed again, and its states would be missing from the answer.
+
+    `python`, `gpus` and `dtype` are the extract job's (extract.python, its devices, extract.precision), the serve
+    stage's where not given. On GPUs the two servers of an extraction share the devices: each takes
+    CAPTURE_MEM_FRACTION of their memory."""
+    s = cfg.serve
+    gpus = s.resources.gpus_per_node if gpus is None else gpus
+    python = python or s.python
+    start = [python, "-m", MODULE] if gpus else [python, str(CPU_LAUNCHER)]
+    dtype = dtype or s.dtype or resolve_precision(s.precision, gpus)
+    argv = [*start, "--model-path", str(target_path), "--dtype", dtype, "--disable-radix-cache"]
+    if gpus > 1:
+        argv += ["--tp-size", str(gpus)]
+    if gpus:
+        argv += ["--mem-fraction-static", str(CAPTURE_MEM_FRACTION)]
+    else:
+        argv += [a for flag in CPU_FLAGS for a in flag]
+    if cfg.target.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if ids is None:
+        argv.append("--enable-return-hidden-states")
+    else:
+        argv += ["--enable-return-aux-hidden-states", "--speculative-algorithm", ALGORITHM]
+        argv += ["--return-aux-hidden-state-layer-ids", *map(str, ids)]
+    return [*argv, "--host", host, "--port", str(port)]
 
 
 def server_env(cfg: RootConfig) -> dict[str, str]:

@@ -24,7 +24,13 @@ from orchestrator.data import prompt_ids
 from orchestrator.engines import CaptureJob
 from orchestrator.engines.vllm import cli
 from orchestrator.engines.vllm.ids import engine_layers
-from orchestrator.regenerate import Rendered, keep_regenerated, one_pass_rendered, regenerated_path
+from orchestrator.regenerate import (
+    Rendered,
+    keep_regenerated,
+    one_pass_rendered,
+    regenerated_path,
+    through_first_end,
+)
 from orchestrator.states.assemble import Assembler
 from orchestrator.states.shards import layer_columns, pack
 from orchestrator.states.teacher import TeacherHead
@@ -439,11 +445,7 @@ class VLLMEval:
         report, out = self.stream.ask(prompts, include_output_tokens=True, max_tokens=max_new + 1)
         self.version = report["vllm_version"]
         for prompt, generated, path in zip(prompts, report["generated"], report["files"], strict=True):
-            answer = list(generated[:max_new])
-            end = next((i for i, token in enumerate(answer) if token in ends), None)
-            if end is not None:
-                answer = answer[: end + 1]
-            sequence = list(prompt) + answer
+            sequence = list(prompt) + through_first_end(generated[:max_new], ends)
             captured = sequence[: len(prompt) + len(generated) - 1]
             (states,) = self._read([Rendered(captured, [1] * len(captured))], [path])
             yield len(prompt), sequence, states.aux
