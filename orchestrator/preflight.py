@@ -429,6 +429,10 @@ def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
             continue
         dtype = resolve_precision(getattr(cfg, stage).precision, r.gpus_per_node)
         need = weight_bytes(target_dir, dtype)
+        copies = capture.target_copies if stage == "extract" else 1
+        held = f" x {copies} copies ({capture.name}'s capture keeps {copies} servers of it up)" if copies > 1 else ""
+        if need is not None:
+            need *= copies
         if need is None:
             out.append(
                 Finding("memory", True, f"{stage}: no weights at {target_dir} yet, so their size is not checked")
@@ -464,7 +468,7 @@ def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
                 Finding(
                     "memory",
                     fits,
-                    f"{stage}: target weights {need / 1e9:,.1f} GB in {dtype}"
+                    f"{stage}: target weights {need / 1e9:,.1f} GB in {dtype}{held}"
                     + (
                         f" ({quantized} tensors as stored, in {capture.name}, tensor-parallel)"
                         if as_shipped and quantized
@@ -483,7 +487,7 @@ def memory_findings(cfg: RootConfig, target_dir: Path) -> list[Finding]:
                 Finding(
                     "memory",
                     fits,
-                    f"{stage}: target weights {need / 1e9:,.2f} GB in {dtype} x {tasks} task(s) on the CPU; "
+                    f"{stage}: target weights {need / 1e9:,.2f} GB in {dtype}{held} x {tasks} task(s) on the CPU; "
                     f"{stage}.resources.mem_gb={r.mem_gb}",
                     "" if fits else f"raise {stage}.resources.mem_gb or lower {stage}.resources.tasks_per_node",
                 )

@@ -505,6 +505,13 @@ def test_sglang_captures_from_its_own_environment_with_a_post_norm_teacher(sglan
     assert capture_plan(cfg, [1, 4, 6]) == ([1, 4, 6], False)
     deepseek = tiny_config(*ours, "data.regenerate.enabled=false", "target=tiny_deepseek_v3", "aux_layers=[-1,1,2]")
     assert capture_plan(deepseek, [-1, 1, 2]) == ([0, 2, 3], False)  # DeepSeek: id 0 enters layer 0, the embedding
+    # the dry run's memory check counts the two servers' copies of the target
+    from orchestrator.preflight import memory_findings
+    from orchestrator.targets import ensure_target
+
+    found = {f.message.split(":")[0]: f for f in memory_findings(cfg, ensure_target(cfg, progress=False))}
+    assert "x 2 copies (sglang's capture keeps 2 servers of it up) x 1 task(s)" in found["extract"].message
+    assert "copies" not in found["eval"].message
     command = sglang.capture_command(cfg, "/t", [3, 5], 1234, python=sglang_python, gpus=0, dtype="float32")
     assert command[1] == str(sglang.CPU_LAUNCHER) and "--disable-radix-cache" in command
     assert command[command.index("--return-aux-hidden-state-layer-ids") + 1 :][:2] == ["3", "5"]

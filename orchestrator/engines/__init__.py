@@ -244,6 +244,8 @@ class Capturing(Engine):
 
     # Whether its capture can answer each prompt and capture prompt plus answer in one request (one_pass).
     generates: bool = False
+    # How many copies of the target an extract task's capture holds at once (the dry run's memory check counts them).
+    target_copies: int = 1
 
     def check_capture(self, cfg: RootConfig) -> None:
         """extract.* as this engine captures, before any job; raises ConfigError naming the key."""

@@ -73,6 +73,7 @@ class SGLang(Serving, Capturing):
     loads_quantized = True
     distributions = ("sglang",)
     version_key = "serve.sglang_version"
+    target_copies = 2  # its capture's aux server and final server (capture.py)
 
     def version(self, serve):
         return serve.sglang_version
