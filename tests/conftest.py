@@ -198,15 +198,19 @@ TINY_KIMI_MODEL = {
     "q_lora_rank": 32,
     "vocab_size": 512,
 }
+# Trained until its greedy token varies (10 distinct tokens over 512 positions of the project's own code, outside
+# its corpus, none above 37%; held-out loss 4.38 against 6.24 for a uniform guess over its 512-token vocabulary): a
+# draft must learn it, and one fed another layer's states learns it otherwise. Five steps of 2 x 64 tokens left it
+# predicting one token everywhere, so every draft reached acc_0 1.0.
 TINY_KIMI_TRAIN = {
-    "steps": 5,
+    "steps": 200,
     "seq_len": 64,
-    "batch_size": 2,
-    "warmup_steps": 2,
-    "max_files": 16,
+    "batch_size": 16,
+    "warmup_steps": 20,
+    "max_files": 40,
     "tokenizer_vocab_size": 384,
     "tokenizer_max_texts": 2000,
-    "eval_sequences": 4,
+    "eval_sequences": 16,
 }
 
 

@@ -9,15 +9,23 @@ import time
 
 import pytest
 import torch
-from conftest import TINY_KIMI_TRAIN
 
 from orchestrator import compute
 from orchestrator.tiny import build as build_mod
 from orchestrator.tiny import build_tiny_target, load_build_report, spec_hash, stdlib_conversations
 from orchestrator.tiny.corpus import is_heldout
 
-# a build in seconds: the training recipe the small tiny Kimi of the vLLM tests also uses
-FAST_TRAIN = TINY_KIMI_TRAIN
+# a build in seconds: the builder's code paths, not a model that has learned
+FAST_TRAIN = {
+    "steps": 5,
+    "seq_len": 64,
+    "batch_size": 2,
+    "warmup_steps": 2,
+    "max_files": 16,
+    "tokenizer_vocab_size": 384,
+    "tokenizer_max_texts": 2000,
+    "eval_sequences": 4,
+}
 FAST_MODEL = {
     "llama": {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 512},
     "deepseek_v3": {

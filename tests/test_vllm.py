@@ -696,6 +696,9 @@ def test_the_tiny_kimi_runs_every_stage_through_vllm_and_hf_never_loads_it(vllm_
     ev = stages["eval"]
     assert ev["engine"].startswith("vllm 0.32") and ev["served_layers"] == [-1, 1, 3], ev
     assert not ev["mismatch"], ev["mismatch_flags"]
+    # the target's greedy token varies, so the draft has something to get wrong; and the states vLLM captured at the
+    # served layers are the extraction's up to float32 rounding (another layer's columns are tenths apart)
+    assert ev["acc_0"] < 0.9 and ev["served_states_rel_diff"] <= 0.02, (ev["acc_0"], ev["served_states_rel_diff"])
     served = tiny_config("cluster=debug", *common, "serve.repeats=1", experiment="tiny_kimi_eagle3")
     summary = run_pipeline(served, tmp_path / "serve")["stages"]
     assert all(summary[s].get("cached") for s in ("extract", "train", "eval")), summary
