@@ -50,11 +50,18 @@ def main(out: Path, mode: str, demo_s: int) -> int:
     line["specforge_missing"] = sorted({r.get("reason") or r["status"] for r in rows if r["status"] != "measured"})
     if mode == "cuda" and (not rows or line["specforge_missing"]):
         line["failed"] = f"SpecForge's rows were not measured on {mode}: {line['specforge_missing'] or 'none ran'}"
+    # what those rows time is the project's training: SpecForge's loss on the project's draft, per TTT step
+    same_loss = bench.get("targets", {}).get("same_loss", {})
+    line["specforge_same_loss"] = same_loss.get("status")
+    line["specforge_loss_rel_diff"] = (bench.get("agreement") or {}).get("ce_sum_rel_diff")
+    if same_loss.get("status") == "FAIL":
+        line["failed"] = f"{same_loss['target']}: FAIL ({bench.get('agreement')})"
     print(json.dumps(line))
     print(
         f"[gpu_check] served by {line['engine']} {line['engine_version'] or ''}"
         + (f", in place of the engine asked for: {line['engine_fallback']}" if line["engine_fallback"] else "")
-        + f"; speedup {line['speedup']}; SpecForge rows measured: {line['specforge_measured']}",
+        + f"; speedup {line['speedup']}; SpecForge rows measured: {line['specforge_measured']}"
+        + f"; SpecForge's loss on the project's draft: {line['specforge_same_loss'] or 'not measured'}",
         file=sys.stderr,
     )
     return 0 if line["all_on_device"] and "failed" not in line else 1

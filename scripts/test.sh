@@ -35,6 +35,9 @@ bash scripts/make_vllm_env.sh
 # 2.7 GB the first time, under a minute once built (pip's cache reused)
 bash scripts/make_sglang_env.sh
 export SGLANG_PYTHON="${SGLANG_PYTHON:-$PWD/outputs/sglang-env/bin/python}"
+# SpecForge's wheel (--no-deps) over torch, transformers and triton, for running its training step on this CPU beside
+# the project's (tests/test_bench_train_gpu.py): about a minute and 2.2 GB the first time
+bash scripts/make_specforge_env.sh
 
 # Lint and format first (settings in pyproject.toml): a second or two, before minutes of tests
 .venv/bin/ruff check .

@@ -496,6 +496,18 @@ def vllm_python() -> str:
 
 
 @pytest.fixture(scope="session")
+def specforge_python() -> str:
+    """SpecForge's environment (`SPECFORGE_PYTHON`, else the checkout's outputs/specforge-env, built by
+    scripts/make_specforge_env.sh) for running its training step on the CPU; the tests that need it skip without it."""
+    python = os.environ.get("SPECFORGE_PYTHON") or str(
+        Path(__file__).resolve().parents[1] / "outputs/specforge-env/bin/python"
+    )
+    if not Path(python).is_file():
+        pytest.skip(f"no SpecForge environment at {python}: bash scripts/make_specforge_env.sh")
+    return python
+
+
+@pytest.fixture(scope="session")
 def sglang_python() -> str:
     """The python of the separate sglang environment (`SGLANG_PYTHON`, built by scripts/make_sglang_env.sh) for the
     `sglang` tests, which run sglang's own code in a subprocess; they skip without it. Checked once: each call into

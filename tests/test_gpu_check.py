@@ -42,7 +42,9 @@ def test_gpu_check_runs_reduced_on_the_cpu(fast_cache, tmp_path):
     assert "served by reference" in proc.stderr
 
 
-def _check_line(tmp_path: Path, mode: str, specforge: list[dict], fallback: str | None = None):
+def _check_line(
+    tmp_path: Path, mode: str, specforge: list[dict], fallback: str | None = None, bench: dict | None = None
+):
     """scripts/gpu_check_line.py on a constructed run: every stage on `mode`, the reference engine serving in place
     of vLLM where `fallback` says so, the benchmark's rows as given."""
     out = tmp_path / mode
@@ -53,7 +55,7 @@ def _check_line(tmp_path: Path, mode: str, specforge: list[dict], fallback: str 
     stages = {s: {"compute": compute} for s in ("extract", "train", "eval")} | {"serve": serve}
     (out / "run" / "summary.json").write_text(json.dumps({"stages": stages, "mismatch_flags": []}))
     project = {"implementation": "project", "seq": 2048, "status": "measured"}
-    (out / "bench.json").write_text(json.dumps({"results": [project, *specforge]}))
+    (out / "bench.json").write_text(json.dumps({"results": [project, *specforge], **(bench or {})}))
     proc = subprocess.run(["python3", "scripts/gpu_check_line.py", str(out), mode, "60"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
@@ -78,6 +80,13 @@ def test_the_gpu_checks_line_names_the_engine_and_fails_without_specforges_rows_
     assert proc.returncode == 1 and "none ran" in line["failed"]
     proc, line = _check_line(tmp_path / "cpu", "cpu", missing)  # the CPU has no triton: skipped, not failed
     assert proc.returncode == 0 and "failed" not in line
+    # rows measured, but SpecForge's loss on the project's draft is not the project's: the timing compares unlike
+    # work, and the check fails
+    differ = {"targets": {"same_loss": {"target": "SpecForge's TTT loss ...", "status": "FAIL"}},
+              "agreement": {"ce_sum_rel_diff": 6e-4}}  # fmt: skip
+    proc, line = _check_line(tmp_path / "differ", "cuda", measured, bench=differ)
+    assert proc.returncode == 1 and "FAIL" in line["failed"] and line["specforge_loss_rel_diff"] == 6e-4
+    assert "SpecForge's loss on the project's draft: FAIL" in proc.stderr
 
 
 def test_gpu_check_cuda_arguments_parse_without_a_gpu(tmp_path):
