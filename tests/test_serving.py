@@ -58,7 +58,7 @@ def test_server_that_fails_to_start(served, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "fault, expected", [(signal.SIGSTOP, "the server hangs"), (signal.SIGKILL, "server died mid-benchmark")]
+    "fault, expected", [(signal.SIGSTOP, "the server hangs"), (signal.SIGKILL, "server died mid-request")]
 )
 def test_server_that_fails_mid_benchmark(served, tmp_path, fault, expected):
     cfg, plan, prompts = served

@@ -162,3 +162,64 @@ def test_sglang_extracts_and_streams_the_states_hf_computes(sglang_python, fast_
     assert worst < 1e-4 < 0.05 < apart, (worst, apart)
     assert sg_train["val_loss"] == pytest.approx(hf_train["val_loss"], rel=1e-3)
     assert drift < 1e-3, drift
+
+
+def test_sglang_capture_survives_a_hung_and_a_dead_server_then_fails_with_its_restarts_used_up(
+    sglang_python, fast_cache, tiny_config, tmp_path, monkeypatch, capsys
+):
+    """extract=sglang through real faults of its servers, injected between shards: the aux server stopped (SIGSTOP:
+    it hangs, its batch unanswered within extract.request_timeout_s), then, after the restart, the final server
+    killed (SIGKILL: its connection lost). With extract.engine_restarts=1 the first costs a restart and the batch
+    is asked again; the second fails the task naming the setting and the log. The rerun resumes (the shards
+    written stay) and ends: every shard's states equal HF's within float32 rounding, those written before the
+    faults, across the restart, and after."""
+    import os
+    import signal
+
+    from orchestrator.engines.sglang import capture as sglang_capture
+    from orchestrator.runner import StageFailed
+
+    monkeypatch.setenv("SGLANG_PYTHON", sglang_python)
+    outputs = copy_cache(fast_cache("extract"), tmp_path / "outputs", ("targets",))
+    common = ("cluster=debug", f"outputs_dir={outputs}", "data.regenerate.enabled=false", "extract.dtype=float32",
+              "stages=[extract]", "aux_layers=[-1,3,5]", "data.max_train_conversations=12",
+              "data.max_val_conversations=4", "extract.shard_conversations=4")  # fmt: skip
+    faults = [(2, "aux", signal.SIGSTOP), (3, "final", signal.SIGKILL)]  # (after this many shards, server, signal)
+    shards, real_shard = [], sglang_capture.SGLangCapture.shard
+
+    def shard(self, split, index, rendered):
+        if faults and len(shards) == faults[0][0]:
+            _, name, sig = faults.pop(0)
+            os.killpg(os.getpgid(self.servers[name].proc.pid), sig)
+        shards.append((split, index))
+        return real_shard(self, split, index, rendered)
+
+    monkeypatch.setattr(sglang_capture.SGLangCapture, "shard", shard)
+    sg = ("extract=sglang", "extract.engine_restarts=1", "extract.request_timeout_s=8")
+    cfg = tiny_config(*common, *sg)
+    with pytest.raises(StageFailed) as failed:
+        run_pipeline(cfg, tmp_path / "sglang")
+    out = capsys.readouterr().out
+    assert "SGLang's capture lost a batch (request timed out after 8 s (extract.request_timeout_s)" in out
+    assert "restart 1 of extract.engine_restarts=1" in out
+    message = str(failed.value)
+    assert "lost a batch (server died mid-request" in message
+    assert "restarts used up (extract.engine_restarts=1)" in message
+    sg_dir = make_plan(cfg, tmp_path / "sglang").dir("extract")
+    written = sorted(p.relative_to(sg_dir) for p in sg_dir.glob("*/shard_*.safetensors"))
+    assert len(written) == 3, written  # two before the faults and the one asked again across the restart
+
+    monkeypatch.setattr(sglang_capture.SGLangCapture, "shard", real_shard)
+    run_pipeline(cfg, tmp_path / "sglang-rerun")
+    hf_cfg = tiny_config(*common)
+    run_pipeline(hf_cfg, tmp_path / "hf")
+    hf_dir = make_plan(hf_cfg, tmp_path / "hf").dir("extract")
+    names = sorted(p.relative_to(hf_dir) for p in hf_dir.glob("*/shard_*.safetensors"))
+    assert len(names) == 4 and sorted(p.relative_to(sg_dir) for p in sg_dir.glob("*/shard_*.safetensors")) == names
+    worst = 0.0
+    for name in names:
+        hf, got = load_file(str(hf_dir / name)), load_file(str(sg_dir / name))
+        assert torch.equal(hf["input_ids"], got["input_ids"]), name
+        for key in ("aux_hidden_states", "teacher_hidden_state"):
+            worst = max(worst, float((hf[key] - got[key]).abs().max() / hf[key].abs().max()))
+    assert worst < 1e-4, worst

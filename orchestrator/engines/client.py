@@ -25,6 +25,11 @@ class ServerError(RuntimeError):
     """A server that failed to start, hung, or died; the message carries its log tail."""
 
 
+class ServerLost(ServerError):
+    """A request that a server never answered: it timed out, or the connection failed or dropped (the server hangs or
+    died). An error status is not one: the server is up and would answer the same request the same way."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -75,8 +80,8 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def fail(self, what: str) -> ServerError:
-        return ServerError(f"{what}\n--- server log tail ({self.log_path}) ---\n{log_tail(self.log_path)}")
+    def fail(self, what: str, kind: type[ServerError] = ServerError) -> ServerError:
+        return kind(f"{what}\n--- server log tail ({self.log_path}) ---\n{log_tail(self.log_path)}")
 
     def wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -101,6 +106,7 @@ class ServerProcess:
             pgid = None
         if pgid is not None:
             _killpg(pgid, signal.SIGTERM)
+            _killpg(pgid, signal.SIGCONT)  # a stopped (hung) member takes its SIGTERM now, not at the SIGKILL
             try:
                 self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
@@ -119,19 +125,20 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
 
 
-def post_json(server: ServerProcess, path: str, payload: dict[str, Any], timeout: float) -> Any:
+def post_json(
+    server: ServerProcess, path: str, payload: dict[str, Any], timeout: float, setting: str = "serve.request_timeout_s"
+) -> Any:
     """POSTs to the server, its JSON answer with the request's `latency_s` (a batch's list of answers without it); a
-    timeout, a dropped connection or an error status raises ServerError with the server's log tail."""
+    timeout or a dropped connection raises ServerLost, an error status ServerError, with the server's log tail.
+    `setting` names the timeout's config key in the message."""
     started = time.perf_counter()
     try:
         r = requests.post(f"{server.url}{path}", json=payload, timeout=timeout)
     except requests.Timeout:
-        raise server.fail(
-            f"request timed out after {timeout:.0f} s (serve.request_timeout_s): the server hangs"
-        ) from None
+        raise server.fail(f"request timed out after {timeout:g} s ({setting}): the server hangs", ServerLost) from None
     except requests.RequestException as exc:
         state = "died" if not server.alive() else "dropped the connection"
-        raise server.fail(f"server {state} mid-benchmark ({type(exc).__name__})") from None
+        raise server.fail(f"server {state} mid-request ({type(exc).__name__})", ServerLost) from None
     if r.status_code != 200:
         raise server.fail(f"{path} answered {r.status_code}: {r.text[:500]}")
     body = r.json()

@@ -23,7 +23,7 @@ JSON body, not for Kimi-K2.5's (docs/engines.md#sglang-as-a-capture-engine)."""
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -71,9 +71,12 @@ def server_env(gpus: int) -> dict[str, str]:
 
 class SGLangCapture:
     """The extract task's capture (`start`, `shard`, `close`) and a capture service's (`states`, `close`) through the
-    two servers, up once this is made: a server that does not come up within extract.startup_timeout_s, or a
-    request not answered within extract.request_timeout_s, fails the task naming the server's log (no restart:
-    the servers keep nothing between requests, so a rerun asks again only for the shards not written)."""
+    two servers, up once this is made. A server that does not come up within extract.startup_timeout_s fails the
+    task naming its log. A batch that a server never answers (not within extract.request_timeout_s, or its
+    connection lost: it hangs or died) stops both servers and starts both again, and the batch is asked again, up
+    to extract.engine_restarts times in the task; then the task fails naming the log. The servers keep nothing
+    between requests (`--disable-radix-cache`), so a batch asked again is computed anew. A batch a server answers
+    with an error fails the task at once (it would answer the same again)."""
 
     model = None
 
@@ -97,6 +100,7 @@ class SGLangCapture:
             for name, ids in (("aux", self.ids), ("final", None))
         }
         self.logs, self.servers = Path(logs), {}
+        self.restarts = self.restarts_left = e.engine_restarts
         self._stack = contextlib.ExitStack()
         if start:
             self.open()
@@ -134,11 +138,38 @@ class SGLangCapture:
         with ThreadPoolExecutor(2) as pool:
             for i in range(0, len(rendered), size):
                 batch = rendered[i : i + size]
-                prompts = [list(r.input_ids) for r in batch]
-                aux, final = (pool.submit(self._ask, name, prompts) for name in ("aux", "final"))
-                for r, a, f in zip(batch, aux.result(), final.result(), strict=True):
+                aux, final = self._ask_both(pool, [list(r.input_ids) for r in batch])
+                for r, a, f in zip(batch, aux, final, strict=True):
                     out.append(self.assemble.sequence(r, a, f, where="SGLang's capture"))
         return out
+
+    def _ask_both(self, pool: ThreadPoolExecutor, prompts: list[list[int]]) -> list[list[torch.Tensor]]:
+        """The batch's states from the aux and the final server, through as many restarts as are left."""
+        while True:
+            asked = [pool.submit(self._ask, name, prompts) for name in ("aux", "final")]
+            try:
+                return [future.result() for future in asked]
+            except client.ServerLost as lost:
+                self._restart(lost, asked)
+
+    def _restart(self, lost: client.ServerLost, asked: list) -> None:
+        """Both servers stopped (the other one's request ends with them) and, while restarts are left, both started
+        again; else the task fails with what was lost."""
+        self.close()
+        wait(asked)
+        what = str(lost).splitlines()[0]
+        if not self.restarts_left:
+            raise client.ServerError(
+                f"SGLang's capture lost a batch ({what}) with its restarts used up "
+                f"(extract.engine_restarts={self.restarts})\n{lost}"
+            ) from None
+        self.restarts_left -= 1
+        print(
+            f"[extract] WARNING: SGLang's capture lost a batch ({what}); starting both servers again (restart "
+            f"{self.restarts - self.restarts_left} of extract.engine_restarts={self.restarts}; logs in {self.logs})",
+            flush=True,
+        )
+        self.open()
 
     def _ask(self, name: str, prompts: list[list[int]]) -> list[torch.Tensor]:
         """Each prompt's states from one server: [length, width] float32, exactly as SGLang computed them."""
@@ -148,7 +179,9 @@ class SGLangCapture:
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
             "return_hidden_states": True,
         }
-        answers = client.post_json(server, "/generate", payload, self.cfg.extract.request_timeout_s)
+        answers = client.post_json(
+            server, "/generate", payload, self.cfg.extract.request_timeout_s, "extract.request_timeout_s"
+        )
         answers = answers if isinstance(answers, list) else [answers]
         if len(answers) != len(prompts):
             raise server.fail(f"SGLang's {name} server answered {len(answers)} of {len(prompts)} prompts")
