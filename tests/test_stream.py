@@ -736,7 +736,8 @@ def test_a_service_started_again_goes_on_from_its_consumers_floor_and_is_found_a
     has read step 0 and part of step 1, and a new one is started on the same spool. It reads `a`'s floor, captures
     from step 1 on, skipping what `a` has read (its marks) and what the store still holds, and `a`, finding the new
     store's address (Mooncake: a new master on another port), reads the rest: every state equal to the offline
-    extraction's."""
+    extraction's, up to its stored dtype's last bit in a few values (seen on 2026-12-07: one value, 67.5 against 67.0 in
+    bfloat16, in a sequence the first service captured in another batch than the extraction's)."""
     from orchestrator.states.manifest import load_manifest_checked
     from orchestrator.states.shards import load_split
     from orchestrator.states.source import step_indices
@@ -773,9 +774,18 @@ def test_a_service_started_again_goes_on_from_its_consumers_floor_and_is_found_a
         if transport == "mooncake":
             assert stream.stores.published(spool)["master"] != address["master"]  # a new master, found again
         want = stored.take(steps[0] + steps[1] + steps[2])
+        differ = 0
         for x, y in zip(got, want, strict=True):
-            assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.aux, y.aux), "another sequence's states"
-            assert torch.equal(x.teacher, y.teacher)
+            assert torch.equal(x.input_ids, y.input_ids), "another sequence"
+            for mine, theirs in ((x.aux, y.aux), (x.teacher, y.teacher)):
+                # within one unit in the last place of the stored dtype: HF computes a row with its batch's shapes
+                # (the service's batches are the steps', the extraction's its shards'), and a float32 difference
+                # in the last bits can round to the neighbouring bfloat16 value
+                ulp = torch.finfo(theirs.dtype).eps * theirs.float().abs()
+                off = (mine.float() - theirs.float()).abs()
+                assert bool((off <= ulp).all()), ("another sequence's states", float(off.max()))
+                differ += int((off > 0).sum())
+        assert differ <= 1e-4 * sum(y.aux.numel() + y.teacher.numel() for y in want), differ
         a.close()
     finally:
         first.stop()
