@@ -164,15 +164,16 @@ def test_sglang_extracts_and_streams_the_states_hf_computes(sglang_python, fast_
     assert drift < 1e-3, drift
 
 
-def test_sglang_capture_survives_a_hung_and_a_dead_server_then_fails_with_its_restarts_used_up(
+def test_sglang_capture_survives_a_hung_server_then_fails_with_its_restarts_used_up(
     sglang_python, fast_cache, tiny_config, tmp_path, monkeypatch, capsys
 ):
     """extract=sglang through real faults of its servers, injected between shards: the aux server stopped (SIGSTOP:
     it hangs, its batch unanswered within extract.request_timeout_s), then, after the restart, the final server
     killed (SIGKILL: its connection lost). With extract.engine_restarts=1 the first costs a restart and the batch
-    is asked again; the second fails the task naming the setting and the log. The rerun resumes (the shards
-    written stay) and ends: every shard's states equal HF's within float32 rounding, those written before the
-    faults, across the restart, and after."""
+    is asked again; the second fails the task naming the setting and the log. The shards written, before the faults
+    and across the restart, hold the states HF computes, within float32 rounding (a rerun asks for the rest:
+    tests/test_vllm_capture.py holds that for the shards of any engine). Seen failing with the restart taken out:
+    the task failed at the first fault."""
     import os
     import signal
 
@@ -195,8 +196,10 @@ def test_sglang_capture_survives_a_hung_and_a_dead_server_then_fails_with_its_re
         return real_shard(self, split, index, rendered)
 
     monkeypatch.setattr(sglang_capture.SGLangCapture, "shard", shard)
-    sg = ("extract=sglang", "extract.engine_restarts=1", "extract.request_timeout_s=8")
-    cfg = tiny_config(*common, *sg)
+    # cluster=debug runs the job in this process, where the faults are timed; submitit's debug job then opens pdb
+    # on the job's exception (submitit/local/debug.py), which would read this test's stdin
+    monkeypatch.setattr("pdb.post_mortem", lambda *args, **kwargs: None)
+    cfg = tiny_config(*common, "extract=sglang", "extract.engine_restarts=1", "extract.request_timeout_s=8")
     with pytest.raises(StageFailed) as failed:
         run_pipeline(cfg, tmp_path / "sglang")
     out = capsys.readouterr().out
@@ -209,15 +212,12 @@ def test_sglang_capture_survives_a_hung_and_a_dead_server_then_fails_with_its_re
     written = sorted(p.relative_to(sg_dir) for p in sg_dir.glob("*/shard_*.safetensors"))
     assert len(written) == 3, written  # two before the faults and the one asked again across the restart
 
-    monkeypatch.setattr(sglang_capture.SGLangCapture, "shard", real_shard)
-    run_pipeline(cfg, tmp_path / "sglang-rerun")
     hf_cfg = tiny_config(*common)
     run_pipeline(hf_cfg, tmp_path / "hf")
     hf_dir = make_plan(hf_cfg, tmp_path / "hf").dir("extract")
-    names = sorted(p.relative_to(hf_dir) for p in hf_dir.glob("*/shard_*.safetensors"))
-    assert len(names) == 4 and sorted(p.relative_to(sg_dir) for p in sg_dir.glob("*/shard_*.safetensors")) == names
+    assert len(list(hf_dir.glob("*/shard_*.safetensors"))) == 4
     worst = 0.0
-    for name in names:
+    for name in written:
         hf, got = load_file(str(hf_dir / name)), load_file(str(sg_dir / name))
         assert torch.equal(hf["input_ids"], got["input_ids"]), name
         for key in ("aux_hidden_states", "teacher_hidden_state"):
