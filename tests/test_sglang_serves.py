@@ -6,6 +6,7 @@ collapse in its own counters."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -206,7 +207,8 @@ def test_sglang_capture_survives_a_hung_server_then_fails_with_its_restarts_used
     assert "SGLang's capture lost a batch (request timed out after 8 s (extract.request_timeout_s)" in out
     assert "restart 1 of extract.engine_restarts=1" in out
     message = str(failed.value)
-    assert "lost a batch (server died mid-request" in message
+    # the killed server's connection ends before its process is reaped: "died" or "dropped the connection"
+    assert re.search(r"lost a batch \(server (died|dropped the connection) mid-request", message), message
     assert "restarts used up (extract.engine_restarts=1)" in message
     sg_dir = make_plan(cfg, tmp_path / "sglang").dir("extract")
     written = sorted(p.relative_to(sg_dir) for p in sg_dir.glob("*/shard_*.safetensors"))

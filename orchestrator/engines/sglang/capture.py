@@ -64,11 +64,6 @@ def capture_plan(cfg, layers: list[int]) -> tuple[list[int], bool]:
     return to_engine_ids("sglang", rest, t.num_hidden_layers, t.family, version), True
 
 
-def server_env(gpus: int) -> dict[str, str]:
-    """SGLang's CPU engine without GPUs (cli.server_env's rule, for the extract job's devices)."""
-    return {} if gpus else {"SGLANG_USE_CPU_ENGINE": "1"}
-
-
 class SGLangCapture:
     """The extract task's capture (`start`, `shard`, `close`) and a capture service's (`states`, `close`) through the
     two servers, up once this is made. A server that does not come up within extract.startup_timeout_s fails the
@@ -114,7 +109,7 @@ class SGLangCapture:
                 int(command[command.index("--port") + 1]),
                 self.logs / f"sglang_{name}_server.log",
                 e.startup_timeout_s,
-                server_env(self.gpus),
+                cli.gpu_env(self.gpus),
             )
             for name, command in self.commands.items()
         }
@@ -164,6 +159,8 @@ class SGLangCapture:
                 f"(extract.engine_restarts={self.restarts})\n{lost}"
             ) from None
         self.restarts_left -= 1
+        for command in self.commands.values():  # fresh ports: a stopped server's socket may linger on its own
+            command[command.index("--port") + 1] = str(client.free_port())
         print(
             f"[extract] WARNING: SGLang's capture lost a batch ({what}); starting both servers again (restart "
             f"{self.restarts - self.restarts_left} of extract.engine_restarts={self.restarts}; logs in {self.logs})",

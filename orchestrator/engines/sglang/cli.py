@@ -3,7 +3,7 @@
     launch_command            the `python -m sglang.launch_server ...` argv, speculative or baseline
     capture_command           the argv of a server of the target alone that answers states: its capture mode's (the
                               states at given ids) or the final norm's output
-    server_env                the environment SGLang's CPU engine needs
+    server_env, gpu_env       the environment SGLang's CPU engine needs (the serve stage's; a job's devices')
     validate_with_sglang      parses an argv with sglang's own argparse parser, in the serving environment
 
 sglang lives in its own environment (`serve.python`, built by scripts/make_sglang_env.sh), never in the
@@ -138,9 +138,14 @@ def capture_command(
 
 
 def server_env(cfg: RootConfig) -> dict[str, str]:
+    """The serve stage's servers' environment (`gpu_env` for its nodes' GPUs)."""
+    return gpu_env(cfg.serve.resources.gpus_per_node)
+
+
+def gpu_env(gpus: int) -> dict[str, str]:
     """Without GPUs: SGLang's CPU engine (`SGLANG_USE_CPU_ENGINE=1`, which `--device cpu` expects), the user's own
     setting kept."""
-    if cfg.serve.resources.gpus_per_node:
+    if gpus:
         return {}
     return {"SGLANG_USE_CPU_ENGINE": os.environ.get("SGLANG_USE_CPU_ENGINE", "1")}
 
