@@ -87,6 +87,7 @@ def main() -> None:
                     ("serve", "accept_length"),
                     ("serve", "accept_length_counted"),
                     ("serve", "accept_length_ci95"),
+                    ("serve", "accept_length_eval_prompts"),
                     ("serve", "speedup"),
                 )
             }
@@ -100,7 +101,9 @@ def main() -> None:
         b = line[run]
         stages = ", ".join(f"{k} {v}" + ("" if v == "cached" else " s") for k, v in b["stages_s"].items())
         servers = ", ".join(
-            f"{k}: start {t['startup_s']} s, passes {t['measure_s']} s" for k, t in b["servers_s"].items()
+            f"{k}: start {t['startup_s']} s, passes {t['measure_s']} s"
+            + (f", count {t['count_s']} s" if "count_s" in t else "")
+            for k, t in b["servers_s"].items()
         )
         print(f"{run}: {line[f'{run}_s']} s (target < {line[f'{run}_target_s']} s); stages in their jobs: {stages}")
         if servers:

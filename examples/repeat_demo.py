@@ -39,10 +39,13 @@ FIGURES = {
     "eval acc_2 (served states)": ("eval", "acc_2"),
     "eval expected accept length": ("eval", "expected_accept_length"),
     "served accept length": ("serve", "accept_length"),
-    "served accept length, requests one at a time": ("serve", "accept_length_counted"),
+    "served accept length, counted requests": ("serve", "accept_length_counted"),
     "  its 95% interval, low": ("serve", ("accept_length_ci95", 0)),
     "  its 95% interval, high": ("serve", ("accept_length_ci95", 1)),
     "  requests counted": ("serve", "accept_length_requests"),
+    "served accept length, eval's prompts": ("serve", "accept_length_eval_prompts"),
+    "  its 95% interval on eval's prompts, low": ("serve", ("accept_length_eval_prompts_ci95", 0)),
+    "  its 95% interval on eval's prompts, high": ("serve", ("accept_length_eval_prompts_ci95", 1)),
     "served acceptance, position 0": ("serve", ("acceptance_by_position", 0)),
     "served acceptance, position 1": ("serve", ("acceptance_by_position", 1)),
     "served acceptance, position 2": ("serve", ("acceptance_by_position", 2)),
@@ -107,9 +110,9 @@ def main() -> None:
     )
     serve = summaries[-1]["stages"].get("serve", {})
     print(f"served by {serve.get('engine')} {serve.get('engine_version')}; {serve.get('engine_fallback') or ''}")
-    print(f"{'figure':36s} {'min':>9s} {'median':>9s} {'max':>9s}")
+    print(f"{'figure':44s} {'min':>9s} {'median':>9s} {'max':>9s}")
     for name, row in table.items():
-        print(f"{name:36s} {row['min']:9.3f} {row['median']:9.3f} {row['max']:9.3f}")
+        print(f"{name:44s} {row['min']:9.3f} {row['median']:9.3f} {row['max']:9.3f}")
     print(f"mismatch flags: {flags or 'none'}")
     sys.exit(1 if flags else 0)
 

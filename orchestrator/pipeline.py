@@ -51,7 +51,9 @@ SERVE_DECIDES_NOTHING = (
     "accept_length_tolerance", "greedy_token_tolerance", "sglang_version", "vllm_version", "startup_estimate_min",
 )  # fmt: skip
 # serve.* that only the speculative server reads
-SERVE_SPECULATIVE_ONLY = ("layers", "num_steps", "eagle_topk", "num_draft_tokens", "accept_prompts")
+SERVE_SPECULATIVE_ONLY = (
+    "layers", "num_steps", "eagle_topk", "num_draft_tokens", "accept_prompts", "accept_concurrency",
+)  # fmt: skip
 
 
 @dataclass
@@ -911,8 +913,9 @@ def time_row(summary: dict[str, Any]) -> str:
         ))  # fmt: skip
     serve = results.load("serve", summary.get("stages", {}).get("serve", {}))
     for mode, t in (serve.server_seconds or {}).items():
+        count = f", count {t['count_s']:.1f} s" if "count_s" in t else ""
         parts.append(f"{mode} server: start {t['startup_s']:.1f} s, warm-up {t['warmup_s']:.1f} s, "
-                     f"passes {t['measure_s']:.1f} s")  # fmt: skip
+                     f"passes {t['measure_s']:.1f} s{count}")  # fmt: skip
     if "total_seconds" in summary:
         parts.append(f"total {summary['total_seconds']:.1f} s")
     return "; ".join(parts)

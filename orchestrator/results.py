@@ -276,7 +276,8 @@ class ServeResult(_Checked):
     id_rules: str | None = None
     engine_fallback: str | None = None
     servers_started: dict[str, bool] | None = None
-    server_seconds: dict[str, dict[str, float]] | None = None  # per started server: startup_s, warmup_s, measure_s
+    # per started server: startup_s, waited_s, warmup_s, measure_s, count_s (stages/serve.py, run_server)
+    server_seconds: dict[str, dict[str, float]] | None = None
     measured_by: dict[str, list[dict[str, Any]]] | None = None
     serve_keys: dict[str, str] | None = None
     baseline_from: str | None = None  # a baseline another machine or day measured
@@ -289,11 +290,14 @@ class ServeResult(_Checked):
     phase_ms: dict[str, float] = field(default_factory=dict)  # `<mode>_<phase>_ms`: the serve cycle's profile
     eval_expected_accept_length: float | None = None
     accept_length_rel_diff: float | None = None
-    # the speculative server's requests answered one at a time, untimed (serve.accept_prompts): the accept length
-    # over them as the engine counted each, how many, and its 95% interval (a bootstrap over requests)
+    # the speculative server's counted requests, untimed (serve.accept_prompts): the accept length over them as the
+    # engine counted each, how many, and its 95% interval (a bootstrap over requests)
     accept_length_counted: float | None = None
     accept_length_requests: int | None = None
     accept_length_ci95: list[float] | None = None
+    # the same over the first eval.prompts of them, the prompts eval predicts it on: the figure held to eval's
+    accept_length_eval_prompts: float | None = None
+    accept_length_eval_prompts_ci95: list[float] | None = None
 
     STAGE: ClassVar[str] = "serve"
     _HEAD: ClassVar[tuple[str, ...]] = ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length")
@@ -303,7 +307,10 @@ class ServeResult(_Checked):
         "serve_keys", "baseline_from", "passes_apart", "eagle_aux_hidden_state_layer_ids",
     )  # fmt: skip
     _COUNTED: ClassVar[tuple[str, ...]] = ("accept_rate_by_position", "accept_histogram", "acceptance_by_position")
-    _INTERVAL: ClassVar[tuple[str, ...]] = ("accept_length_counted", "accept_length_requests", "accept_length_ci95")
+    _INTERVAL: ClassVar[tuple[str, ...]] = (
+        "accept_length_counted", "accept_length_requests", "accept_length_ci95", "accept_length_eval_prompts",
+        "accept_length_eval_prompts_ci95",
+    )  # fmt: skip
 
     def _flat(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self._HEAD} | self.engine_latency

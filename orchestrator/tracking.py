@@ -474,10 +474,14 @@ def _serve_metrics(r: ServeResult) -> dict[str, float]:
     rows = r.per_concurrency or []
     keys = ("baseline_tok_s", "spec_tok_s", "speedup", "accept_length", "accept_length_rel_diff")
     out = _numbers({k: getattr(r, k) for k in keys}, keys)
-    if r.accept_length_counted is not None:  # requests answered one at a time: the figure and its 95% interval
+    if r.accept_length_counted is not None:  # each request's own count: the figure and its 95% interval
         out["accept_length_counted"] = float(r.accept_length_counted)
         out["accept_length_requests"] = float(r.accept_length_requests)
         out["accept_length_ci95_low"], out["accept_length_ci95_high"] = map(float, r.accept_length_ci95)
+    if r.accept_length_eval_prompts is not None:  # the same over eval's prompts
+        out["accept_length_eval_prompts"] = float(r.accept_length_eval_prompts)
+        low, high = map(float, r.accept_length_eval_prompts_ci95)
+        out["accept_length_eval_prompts_ci95_low"], out["accept_length_eval_prompts_ci95_high"] = low, high
     if rows:
         head = rows[0]
         out |= _numbers(head, ("baseline_latency_mean_s", "spec_latency_mean_s")) | _spread(head)
@@ -560,8 +564,16 @@ def run_note(summary: Mapping[str, Any]) -> str:
         low, high = serve.accept_length_ci95
         rows.append(
             (
-                f"accept length, {serve.accept_length_requests} requests answered one at a time (95% interval)",
+                f"accept length, {serve.accept_length_requests} requests counted (95% interval)",
                 f"{serve.accept_length_counted:.2f} ({low:.2f}-{high:.2f})",
+            )
+        )
+    if serve.accept_length_eval_prompts is not None:
+        low, high = serve.accept_length_eval_prompts_ci95
+        rows.append(
+            (
+                "accept length, served on the prompts eval predicts it on (95% interval)",
+                f"{serve.accept_length_eval_prompts:.2f} ({low:.2f}-{high:.2f})",
             )
         )
     expected = ev.expected_accept_length if ev.expected_accept_length is not None else train.val_expected_accept_length

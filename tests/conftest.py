@@ -81,8 +81,9 @@ FAST = [
     "train.checkpoint_every=4",
     "train.log_every=4",
     "eval.max_conversations=8",
+    "eval.prompts=4",  # the demo's eval predicts on 100 prompts: the 4 served here
     "serve.prompts=4",
-    "serve.accept_prompts=null",  # the demo's 100 counted one at a time: the 4 timed prompts here
+    "serve.accept_prompts=null",  # the demo counts 100: the 4 timed prompts here
     "serve.max_new_tokens=24",
 ]
 

@@ -30,15 +30,14 @@ def test_readme_demo_ends_without_a_mismatch(tmp_path):
     assert ev["sequences"] == 100, "eval covers every validation sequence, as training does"
     assert abs(ev["acc_0"] - train["val_acc_0"]) <= 0.03
     assert serve["greedy_outputs_identical"] is True
-    # eval's 100 validation prompts answered one at a time (serve.accept_prompts): eval's prediction, over the same
-    # conversations, inside the served accept length's 95% interval
+    # serving counts 700 validation prompts (serve.accept_prompts), eval's 100 first (eval.prompts): over those the
+    # served accept length is within 2% of eval's prediction (measured through vLLM: 3.433 against 3.438), and the
+    # 700's interval holds their figure
+    expected = ev["expected_accept_length"]
+    assert serve["accept_length_requests"] >= 600
+    assert abs(serve["accept_length_eval_prompts"] - expected) <= 0.02 * expected, (serve, expected)
     low, high = serve["accept_length_ci95"]
-    assert serve["accept_length_requests"] >= 90 and low <= ev["expected_accept_length"] <= high, serve
-    if serve["engine"] == "vllm":  # scripts/make_vllm_env.sh built its environment, as the README's command does
-        # an engine sharing no code with eval counts within 5% of eval's expectation (measured: 0.6%); on 2 cores
-        # its CPU backend gains nothing from speculation (README), so no speedup is asserted
-        assert abs(serve["accept_length"] - ev["expected_accept_length"]) <= 0.05 * ev["expected_accept_length"]
-    else:
+    assert low <= serve["accept_length_counted"] <= high, serve
+    if serve["engine"] != "vllm":  # without scripts/make_vllm_env.sh's environment: the reference engine
         assert "engine_fallback" in serve or serve["engine"] == "reference"
-        assert abs(serve["accept_length"] - ev["expected_accept_length"]) <= 0.10 * ev["expected_accept_length"]
         assert serve["speedup"] > 1.0

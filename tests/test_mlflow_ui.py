@@ -138,7 +138,12 @@ def test_note_is_a_headline_with_the_mismatch_in_full():
     }  # fmt: skip
     note = tracking.run_note(summary)
     assert "| served by | reference 0.1.0 (**in place of the engine asked for**: no vLLM at serve.python) |" in note
-    assert "| accept length, 100 requests answered one at a time (95% interval) | 1.40 (1.31-1.52) |" in note
+    assert "| accept length, 100 requests counted (95% interval) | 1.40 (1.31-1.52) |" in note
+    assert "eval predicts it on" not in note, "no row for a figure the run did not measure"
+    # and over the prompts eval predicts it on, where the count reached them
+    summary["stages"]["serve"] |= {"accept_length_eval_prompts": 1.375, "accept_length_eval_prompts_ci95": [1.2, 1.5]}
+    note = tracking.run_note(summary)
+    assert "| accept length, served on the prompts eval predicts it on (95% interval) | 1.38 (1.20-1.50) |" in note
 
 
 def test_run_url_opens_the_runs_table():

@@ -101,8 +101,8 @@ def test_full_pipeline(tiny_config, tmp_path):
 def test_eval_is_cached_by_what_decides_it(fast_cache, tiny_config, tmp_path):
     """Eval's result is a function of the draft, its states and what eval reads of the config (its own node and
     serve.engine's reading of the draft's ids): a second run with the same key takes it from the cache, with its
-    metrics in the new MLflow run and no eval job; another eval setting (serve.prompts too: eval.prompts follows it),
-    or another serve.layers, measures again, while serve's own settings (its passes, its timeouts) do not."""
+    metrics in the new MLflow run and no eval job; another eval setting (its prompts too), or another serve.layers,
+    measures again, while serve's own settings (its passes, its prompts, its timeouts) do not."""
     fast_cache("extract", "train", "eval")
     stages = ("cluster=local", "stages=[extract,train,eval]")
     cfg = tiny_config(*stages)
@@ -118,7 +118,8 @@ def test_eval_is_cached_by_what_decides_it(fast_cache, tiny_config, tmp_path):
         return make_plan(tiny_config(*stages, *overrides), tmp_path / "b").stages[2]["cached"]
 
     assert eval_cached("serve.repeats=5") and eval_cached("serve.request_timeout_s=30")
-    assert not eval_cached("eval.max_new_tokens=8") and not eval_cached("serve.prompts=2")
+    assert eval_cached("serve.prompts=2") and eval_cached("serve.accept_prompts=8"), "eval.prompts is set: 4"
+    assert not eval_cached("eval.max_new_tokens=8") and not eval_cached("eval.prompts=2")
     assert not eval_cached("serve.layers=[0,2,5]")
     assert not eval_cached("eval.engine=vllm")  # another live target computes its states and tokens
 

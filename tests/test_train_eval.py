@@ -148,6 +148,26 @@ def test_the_served_accept_lengths_interval_is_over_requests_and_narrows_with_th
     assert accept_interval(mixed) == few, "seeded: the same counts, the same interval"
     # a request's passes are not independent draws: a long request of low acceptance weighs by its passes
     assert accept_interval([[20, 10], [400, 100]])["accept_length_counted"] == pytest.approx(420 / 110)
+    # a request that ended on its prefill token has no verify pass: not a request of the figure
+    assert accept_interval([[1, 0], *mixed]) == few
+
+
+def test_vllms_per_request_counts_are_taken_only_where_they_add_up_to_its_counters():
+    """vLLM's per-request field (experimental, its docs say) gives [completion tokens, verify passes] per request
+    only where its drafts and accepted tokens sum to what vLLM's Prometheus counters counted over the same requests;
+    otherwise an error, and an answer without the field names the flag that adds it."""
+    from orchestrator.engines.vllm.cli import PER_REQUEST_FLAG, CountsDisagree, per_request_counts
+
+    def answer(tokens, steps, accepted):
+        spec = {"num_spec_steps": steps, "num_accepted_draft_tokens": accepted}
+        return {"meta_info": {"completion_tokens": tokens}, "spec_decoding": spec}
+
+    answers = [answer(64, 18, 45), answer(1, 0, 0), answer(30, 10, 19)]
+    assert per_request_counts(answers, (28.0, 64.0)) == [[64, 18], [1, 0], [30, 10]]
+    with pytest.raises(CountsDisagree, match=r"\(28, 64\) over 3 requests differ from the counters' \(28.0, 63.0\)"):
+        per_request_counts(answers, (28.0, 63.0))
+    with pytest.raises(ValueError, match=PER_REQUEST_FLAG):
+        per_request_counts([*answers, {"meta_info": {"completion_tokens": 5}, "spec_decoding": None}], (28.0, 64.0))
 
 
 def test_eval_compares_served_and_trained_states_on_the_same_sequences(trained, tmp_path):

@@ -323,9 +323,11 @@ class ServeConfig:
     extra_args: list[str] = MISSING
     prompts: int = MISSING
     max_new_tokens: int = MISSING
-    # the prompts the speculative server answers one at a time, untimed, for per-request accept lengths and their
-    # interval (null: serve.prompts; 0: none)
+    # the validation prompts the speculative server answers, untimed, for per-request accept lengths and their
+    # interval (null: serve.prompts; 0: none); they may run past data.max_val_conversations
     accept_prompts: Optional[int] = MISSING
+    # the requests of that count in flight at once (each response carries its own count)
+    accept_concurrency: int = MISSING
     concurrency: list[int] = MISSING
     # Passes over the prompt set per concurrency level; tok/s is the median pass (timing noise), and every
     # pass must produce the same greedy outputs.

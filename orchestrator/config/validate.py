@@ -300,6 +300,7 @@ def validate(cfg: RootConfig) -> None:
         s.accept_prompts is None or s.accept_prompts >= 0,
         f"serve.accept_prompts={s.accept_prompts}: expected >= 0 (0: no per-request count) or null (serve.prompts)",
     )
+    check(s.accept_concurrency >= 1, f"serve.accept_concurrency={s.accept_concurrency}: expected >= 1")
     check(
         bool(s.concurrency) and min(s.concurrency) >= 1,
         f"serve.concurrency={s.concurrency}: expected a non-empty list of levels >= 1",

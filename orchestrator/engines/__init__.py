@@ -36,6 +36,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
@@ -221,15 +222,18 @@ class Serving(Engine):
         raise self._missing("benchmark")
 
     def request_counts(self, server: ServerProcess, prompts: list[list[int]], cfg: RootConfig) -> list[list[int]]:
-        """Each prompt answered alone, in turn: [tokens, verify passes] as the engine counts them for that request
-        (its accept length is their ratio), from the response's own count (`spec_verify_ct`: SGLang's /generate, the
-        reference engine); a request that ended on its prefill token has no verify pass and is left out."""
-        s, out = cfg.serve, []
-        for prompt in prompts:
+        """Each prompt's [tokens, verify passes] as the engine counts them for that request (its accept length is
+        their ratio), in the prompts' order, serve.accept_concurrency requests in flight: from the response's own
+        count (`spec_verify_ct`: SGLang's /generate, the reference engine), which is the request's whatever else the
+        server runs beside it. A request that ended on its prefill token has no verify pass: [tokens, 0]."""
+        s = cfg.serve
+
+        def count(prompt: list[int]) -> list[int]:
             meta = self.request(server, prompt, s.max_new_tokens, s.request_timeout_s)["meta_info"]
-            if meta.get("spec_verify_ct"):
-                out.append([int(meta["completion_tokens"]), int(meta["spec_verify_ct"])])
-        return out
+            return [int(meta["completion_tokens"]), int(meta.get("spec_verify_ct") or 0)]
+
+        with ThreadPoolExecutor(max_workers=s.accept_concurrency) as pool:
+            return list(pool.map(count, prompts))
 
     def server_info(self, server: ServerProcess) -> dict[str, Any]:
         return {}

@@ -49,13 +49,29 @@ class ServerProcess:
         self.startup_timeout = startup_timeout
         self.env = env
         self.proc: subprocess.Popen | None = None
+        self.launched_at: float | None = None  # time.monotonic() at `launch`
+        self.launched_wall: float | None = None  # and time.time()
+        self.healthy_at: float | None = None  # time.monotonic() when it first answered /health
         self.url = f"http://127.0.0.1:{port}"
 
     def __enter__(self) -> "ServerProcess":
+        """Starts the server, unless `launch` already did, and waits until it is healthy."""
+        if self.proc is None:
+            self.launch()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def launch(self) -> "ServerProcess":
+        """Starts the server's process and returns at once (`with` then waits until it is healthy)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self._log.write(("$ " + " ".join(self.command) + "\n").encode())
         self._log.flush()
+        self.launched_at, self.launched_wall = time.monotonic(), time.time()
         try:
             self.proc = subprocess.Popen(
                 self.command,
@@ -67,11 +83,6 @@ class ServerProcess:
         except OSError as exc:
             self._log.close()
             raise ServerError(f"cannot start {self.command[0]!r}: {exc}") from None
-        try:
-            self.wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -84,12 +95,14 @@ class ServerProcess:
         return kind(f"{what}\n--- server log tail ({self.log_path}) ---\n{log_tail(self.log_path)}")
 
     def wait_healthy(self) -> None:
+        """Returns once the server answers /health (`healthy_at`: when it first did, time.monotonic())."""
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if not self.alive():
                 raise self.fail(f"server exited with code {self.proc.returncode} before becoming healthy")
             try:
                 if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.healthy_at = self.healthy_at or time.monotonic()
                     return
             except requests.RequestException:
                 pass

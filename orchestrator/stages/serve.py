@@ -8,6 +8,7 @@ each server starts clean.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import socket
@@ -20,7 +21,7 @@ from typing import Any, Callable
 from orchestrator import engines
 from orchestrator.artifacts import read_json, stable_hash, write_json, write_manifest
 from orchestrator.compute import Compute, hardware, resolve_precision
-from orchestrator.config import RootConfig
+from orchestrator.config import ConfigError, RootConfig
 from orchestrator.data import conversations, prompt_ids
 from orchestrator.draft import export as draft_export
 from orchestrator.draft import guard
@@ -40,23 +41,21 @@ def run_server(
     compute: Compute,
     have: dict[str, list[dict[str, Any]]],
     ready: Callable[[], Any] = lambda: None,
+    launched: client.ServerProcess | None = None,
 ) -> dict[str, Any]:
-    """Starts `mode`'s server and runs the passes `have` (concurrency -> the passes cached) lacks of
-    `serve.repeats` per concurrency level; the server's command, log, info, and every pass, cached ones first.
-    `ready` is waited for once the server is up, before any request: work overlapped with its start-up (the
-    loader check) ends before anything is timed."""
+    """Starts `mode`'s server (or takes `launched`, started before) and runs the passes `have` (concurrency -> the
+    passes cached) lacks of `serve.repeats` per concurrency level; the server's command, log, info, and every pass,
+    cached ones first. `ready` is waited for once the server is up, before any request: work overlapped with its
+    start-up (the loader check, the other server's start-up) ends before anything is timed."""
     s = cfg.serve
     engine = engines.get(s.engine, engines.SERVE)
-    port = client.free_port()
-    command = server_command(cfg, target, draft, port, compute)
-    engine.check_command(cfg, command)
-    log = out / f"{mode}_server.log"
+    server = launched or server_process(cfg, mode, target, draft, out, compute)
+    log, command = server.log_path, server.command
     print(f"[serve] {mode}: {' '.join(command)}")
     passes, counts, timed = {}, None, prompts[: s.prompts]
-    clock = [time.monotonic()]
-    with client.ServerProcess(command, port, log, s.startup_timeout_s, env=engine.server_env(cfg)) as server:
+    with server:
         ready()
-        clock.append(time.monotonic())
+        clock = [server.launched_at, server.healthy_at, time.monotonic()]
         engine.request(server, prompts[0], min(8, s.max_new_tokens), s.request_timeout_s)  # warm-up
         engine.reset(server)
         clock.append(time.monotonic())
@@ -66,30 +65,46 @@ def run_server(
                 engine.benchmark(server, timed, cfg, c) for _ in range(max(0, s.repeats - len(cached)))
             ]
         clock.append(time.monotonic())
-        if draft is not None and accept_prompts(cfg):  # untimed, after the passes: each request's own count
+        if draft is not None and accept_prompts(cfg):  # untimed, after the passes: each response's own count
             counts = engine.request_counts(server, prompts[: accept_prompts(cfg)], cfg)
             clock.append(time.monotonic())
         info = engine.server_info(server)
-    # where this server's time went: starting until healthy, the warm-up request, the passes it ran, the count
-    phases = ("startup_s", "warmup_s", "measure_s", "count_s")
+    # where this server's time went: starting until healthy, waiting for what had to end before its first request
+    # (the loader check, the other server's start-up or passes), the warm-up request, the passes it ran, the count
+    phases = ("startup_s", "waited_s", "warmup_s", "measure_s", "count_s")
     seconds = {k: round(b - a, 3) for k, a, b in zip(phases, clock, clock[1:])}
     out = {"command": command, "log": str(log), "passes": passes, "server_info": info, "seconds": seconds}
+    out["launched_at"] = round(server.launched_wall, 3)  # the epoch second it started: whether two overlapped
     return out | ({"request_counts": counts} if counts is not None else {})
 
 
+def server_process(
+    cfg: RootConfig, mode: str, target: Path, draft: Path | None, out: Path, compute: Compute
+) -> client.ServerProcess:
+    """`mode`'s server as the engine starts it (its command checked by the engine's own parser), not started yet."""
+    s = cfg.serve
+    engine = engines.get(s.engine, engines.SERVE)
+    port = client.free_port()
+    command = server_command(cfg, target, draft, port, compute)
+    engine.check_command(cfg, command)
+    return client.ServerProcess(command, port, out / f"{mode}_server.log", s.startup_timeout_s, engine.server_env(cfg))
+
+
 def accept_prompts(cfg: RootConfig) -> int:
-    """The prompts the speculative server answers one at a time for per-request counts (serve.accept_prompts)."""
+    """The prompts the speculative server answers for per-request counts (serve.accept_prompts)."""
     n = cfg.serve.accept_prompts
     return cfg.serve.prompts if n is None else n
 
 
 def accept_interval(counts: list[list[int]], resamples: int = 2000, seed: int = 0) -> dict[str, Any]:
-    """The accept length over requests answered alone (Σ tokens / Σ verify passes, each request's [tokens, verify
-    passes] as the engine counted them) and its 95% interval: the 2.5th and 97.5th percentiles of the same ratio
-    over `resamples` resamplings of the requests with replacement (a bootstrap; seeded, so the same counts give the
-    same interval). Requests, not verify passes, are the independent draws: one request's passes share its text."""
+    """The accept length over the counted requests (Σ tokens / Σ verify passes, each request's [tokens, verify
+    passes] as the engine counted them; a request with no verify pass, which ended on its prefill token, is left
+    out) and its 95% interval: the 2.5th and 97.5th percentiles of the same ratio over `resamples` resamplings of
+    the requests with replacement (a bootstrap; seeded, so the same counts give the same interval). Requests, not
+    verify passes, are the independent draws: one request's passes share its text."""
     import random
 
+    counts = [c for c in counts if c[1]]
     tokens, passes = [c[0] for c in counts], [c[1] for c in counts]
     pooled, n = sum(tokens) / sum(passes), len(counts)
     rng = random.Random(seed)
@@ -107,7 +122,7 @@ def measurement_keys(
 ) -> dict[str, str]:
     """The cache keys of the baseline and speculative passes: the plan's (pipeline.stage_keys), with what only the
     job knows: the engine as installed (`Engine.measuring`) and the token ids of the prompts each server answers
-    (the baseline the first `timed`, serve.prompts; the speculative server also those it counts one at a time)."""
+    (the baseline the first `timed`, serve.prompts; the speculative server also those it counts after them)."""
 
     def sha(p: list[list[int]]) -> str:
         return hashlib.sha256(json.dumps(p).encode()).hexdigest()
@@ -159,6 +174,13 @@ def measure(
             started[mode] = True
     runs = [_median_pass(record["passes"][str(c)][: s.repeats], c, exact_arithmetic(cfg)) for c in s.concurrency]
     return {k: v for k, v in record.items() if k != "passes"} | {"runs": runs}
+
+
+def _to_measure(cfg: RootConfig, mode: str, key: str) -> bool:
+    """Whether `mode`'s server lacks passes under `key` (`measure` will start it, unless another run measures it
+    first)."""
+    have = (cached_record(cfg, mode, key) or {}).get("passes", {})
+    return any(len(have.get(str(c), [])) < cfg.serve.repeats for c in cfg.serve.concurrency)
 
 
 def cached_record(cfg: RootConfig, mode: str, key: str) -> dict[str, Any] | None:
@@ -287,10 +309,12 @@ def run(cfg: RootConfig, plan, tracker, compute: Compute) -> ServeResult:
     measured = _compared(cfg, servers, flags)
     counts = servers["speculative"].get("request_counts")
     measured |= accept_interval(counts) if counts else {}
+    measured |= _on_eval_prompts(cfg, plan, counts)
     measured |= _how_measured(cfg, installed, servers, started, keys, tracker.run_id)
     measured |= {"eagle_aux_hidden_state_layer_ids": ids, "compute": compute.describe()}
     measured |= _engine_counts(cfg, loaded, servers)
-    measured |= _against_eval(cfg, plan, measured.get("accept_length_counted") or measured["accept_length"], flags)
+    served = measured.get("accept_length_eval_prompts") or measured.get("accept_length_counted")
+    measured |= _against_eval(cfg, plan, served or measured["accept_length"], flags)
     measured |= {"mismatch": bool(flags), "mismatch_flags": flags}
     result = ServeResult.from_dict(measured)
     result.headline = result.make_headline()
@@ -312,10 +336,19 @@ def _guarded_ids(cfg: RootConfig, draft: Path, target: Path, flags: list[str]) -
 
 def _prompts(cfg: RootConfig, target: Path) -> list[list[int]]:
     """The first validation conversations' prompts, as the target's tokenizer renders them: serve.prompts for the
-    timed passes, serve.accept_prompts for the per-request count, whichever is more."""
+    timed passes, serve.accept_prompts for the per-request count, whichever is more. A prompt needs no states, so
+    they may run past data.max_val_conversations (the conversations extract, train and eval use), further along the
+    same split: its first conversations are theirs."""
     tokenizer = load_tokenizer(target, cfg.target.trust_remote_code, cfg.data.chat_template)
-    _, val_convs = conversations(cfg.data, cfg.seed)
     n = max(cfg.serve.prompts, accept_prompts(cfg))
+    data = copy.copy(cfg.data)
+    data.max_val_conversations = max(n, data.max_val_conversations)
+    _, val_convs = conversations(data, cfg.seed)
+    if len(val_convs) < n:
+        raise ConfigError(
+            f"serve.prompts={cfg.serve.prompts}, serve.accept_prompts={cfg.serve.accept_prompts}: the data set's "
+            f"validation split has {len(val_convs)} conversations; ask for at most that many"
+        )
     return [prompt_ids(tokenizer, c, cfg.data.max_seq_len) for c in val_convs[:n]]
 
 
@@ -329,8 +362,13 @@ def _measure_servers(
     nothing unloaded, every runner feeding the draft the states it was trained on) is a function of the draft, the
     target's config and the engine as installed, all in the speculative passes' key: where those passes are cached,
     so is it. It runs beside the baseline server's start-up (a CPU process of its own; the baseline never depends
-    on the draft) and ends before the baseline's first request; its verdict comes before the speculative server
-    starts."""
+    on the draft) and ends before the baseline's first request; its verdict comes before the speculative server's
+    first request.
+
+    On a machine without GPUs, where both servers are to be measured, the speculative server starts beside the
+    baseline's (`together`): a start-up there is mostly Python importing the engine on one core, and both are
+    healthy before the baseline's first timed request, so neither's passes share the CPUs with a start-up. On GPUs
+    they start one after the other: a starting server sizes its KV cache from the device memory it finds free."""
     s, (target, draft) = cfg.serve, paths
     engine = engines.get(s.engine, engines.SERVE)
     out = plan.dir("serve")
@@ -350,19 +388,31 @@ def _measure_servers(
     run = (tracker.run_id, plan.run_dir)
     servers: dict[str, dict[str, Any]] = {}
     started: dict[str, bool] = {}
+    together = not s.resources.gpus_per_node and all(_to_measure(cfg, m, keys[m]) for m in keys)
+    spec = server_process(cfg, "speculative", target, draft, out, compute) if together else None
+
+    def baseline_ready() -> None:  # the loader check's verdict, and the speculative server up where it started too
+        check.result()
+        if spec is not None:
+            spec.wait_healthy()
+
     try:
+        if spec is not None:
+            spec.launch()
         servers["baseline"] = measure(
             cfg, run, "baseline", keys["baseline"], started,
-            lambda have: run_server(cfg, "baseline", target, None, prompts, out, compute, have, ready=check.result),
+            lambda have: run_server(cfg, "baseline", target, None, prompts, out, compute, have, ready=baseline_ready),
         )  # fmt: skip
         loaded = check.result()
         _refuse_or_flag(cfg, draft, loaded, flags)
         servers["speculative"] = measure(
             cfg, run, "speculative", keys["speculative"], started,
-            lambda have: run_server(cfg, "speculative", target, draft, prompts, out, compute, have)
+            lambda have: run_server(cfg, "speculative", target, draft, prompts, out, compute, have, launched=spec)
             | {"load_check": loaded},
         )  # fmt: skip
     finally:
+        if spec is not None:  # measured (stopped already), or not needed after all: another run measured it first
+            spec.stop()
         pool.shutdown()
         for mode in ("baseline", "speculative"):
             log = out / f"{mode}_server.log"
@@ -485,11 +535,26 @@ def _engine_counts(cfg: RootConfig, loaded: dict | None, servers: dict[str, dict
     return result
 
 
+def _on_eval_prompts(cfg: RootConfig, plan, counts: list[list[int]] | None) -> dict[str, Any]:
+    """The served accept length over the prompts eval predicts it on (the first eval.prompts of those counted, no
+    more than data.max_val_conversations, as eval takes them; where the count reached that far and eval ran), with
+    its interval: the figure held to eval's."""
+    n = min(cfg.eval.prompts, cfg.data.max_val_conversations)
+    if not counts or len(counts) < n or not (plan.dir("eval") / "manifest.json").exists():
+        return {}
+    on = accept_interval(counts[:n])
+    return {
+        "accept_length_eval_prompts": on["accept_length_counted"],
+        "accept_length_eval_prompts_ci95": on["accept_length_ci95"],
+    }
+
+
 def _against_eval(cfg: RootConfig, plan, accept_length: float, flags: list[str]) -> dict[str, Any]:
-    """The served accept length (over the requests answered one at a time where they ran, else the first timed
-    pass's) against eval's expected one, where eval ran: apart by more than serve.accept_length_tolerance, serving
-    feeds the draft differently from the standalone eval. Eval's is over its first eval.max_conversations
-    validation sequences; with serve.accept_prompts as many, the count is over the same conversations' prompts."""
+    """The served accept length (over eval's own prompts where the count covers them, else over the counted
+    requests, else the first timed pass's) against eval's expected one, where eval ran: apart by more than
+    serve.accept_length_tolerance, serving feeds the draft differently from the standalone eval. Eval's is over the
+    first eval.prompts validation prompts, counted as the engines count a request: its tokens over its verify
+    passes."""
     s = cfg.serve
     eval_manifest = plan.dir("eval") / "manifest.json"
     if not eval_manifest.exists():

@@ -68,10 +68,10 @@ class VLLM(Serving, Capturing):
         return cli.benchmark(server, prompts, s.max_new_tokens, concurrency, s.request_timeout_s, s.num_steps)
 
     def request_counts(self, server, prompts, cfg):
-        """Its counters read before and after each request sent alone: [drafts + accepted tokens, drafts], whose
-        ratio is the request's accept length as `pass_statistics` counts a pass's."""
+        """Each response's own count, [drafts + accepted tokens, drafts], whose ratio is the request's accept length
+        as `pass_statistics` counts a pass's; their sum held to vLLM's counters (cli.request_counts)."""
         s = cfg.serve
-        return cli.request_counts(server, prompts, s.max_new_tokens, s.request_timeout_s)
+        return cli.request_counts(server, prompts, s.max_new_tokens, s.request_timeout_s, s.accept_concurrency)
 
     def server_info(self, server):
         return cli.server_info(server)

@@ -12,6 +12,8 @@ docs/engines.md#vllm).
                      starts
     benchmark        one pass over the prompt set through /v1/completions, with the pass's speculative-decoding
                      statistics as vLLM counts them: the difference of its /metrics counters before and after
+    request_counts   each request's own accept counts (`metrics.speculative_decoding` in its response), many in
+                     flight, their sum held to the counters
 
 vLLM lives in its own environment (`serve.python`, built by scripts/make_vllm_env.sh), never in the project's: the
 project only talks to its server over HTTP. Accept length, acceptance per position, time to first token and
@@ -23,6 +25,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +46,9 @@ from orchestrator.layers import describe
 MODULE = "vllm.entrypoints.openai.api_server"
 CPU_MLA = "CPU_MLA"  # vLLM's reference MLA kernel on CPUs (AttentionBackendEnum.CPU_MLA): cpu_flags
 SERVED_NAME = "target"  # --served-model-name: the name completions requests give
+# the speculative server's responses carry the request's own accept counts (vLLM 0.32's ObservabilityConfig
+# per_request_spec_decode_metrics; `summary`: the histogram and totals, not every step)
+PER_REQUEST_FLAG = "--per-request-spec-decode-metrics"
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE on a machine without GPUs, unless the environment sets it
 
 # Flags `launch_command` sets from a serve.* key; set again in extra_args they would silently win.
@@ -54,6 +61,7 @@ MANAGED_FLAGS = {
     "--dtype": "serve.dtype",
     "--speculative-config": "serve.num_steps and the draft directory",
     "--served-model-name": "the served model name",
+    PER_REQUEST_FLAG: "the serve stage's per-request count (serve.accept_prompts)",
     "--host": "the host argument",
     "--port": "the port argument",
 }
@@ -98,6 +106,7 @@ def launch_command(
     argv = [s.python, "-m", MODULE, "--model", str(target_path), "--served-model-name", SERVED_NAME, "--seed", "0"]
     if draft_dir is not None:
         argv += ["--speculative-config", json.dumps(speculative_config(cfg, draft_dir))]
+        argv += [PER_REQUEST_FLAG, "summary"]  # each response's own accept counts (request_counts)
     if s.tp_size > 1:
         argv += ["--tensor-parallel-size", str(s.tp_size)]
     if cfg.target.trust_remote_code:
@@ -377,6 +386,8 @@ def complete(server: client.ServerProcess, prompt: list[int], max_new_tokens: in
         "output_ids": list(choice["token_ids"]),
         "meta_info": {"completion_tokens": body["usage"]["completion_tokens"]},
         "latency_s": body["latency_s"],
+        # vLLM's own count for this request, where the server reports it (PER_REQUEST_FLAG)
+        "spec_decoding": (body.get("metrics") or {}).get("speculative_decoding"),
     }
 
 
@@ -436,20 +447,51 @@ def benchmark(
 
 
 def request_counts(
-    server: client.ServerProcess, prompts: list[list[int]], max_new_tokens: int, timeout: float
+    server: client.ServerProcess, prompts: list[list[int]], max_new_tokens: int, timeout: float, concurrency: int
 ) -> list[list[int]]:
-    """Each prompt sent alone, vLLM's counters read before and after it: [drafts + accepted tokens, drafts] per
-    request (its accept length, 1 + accepted / drafts, is their ratio); a request with no draft is left out."""
+    """Each prompt's [completion tokens, verify passes] as vLLM counted them for that request, in the prompts'
+    order, `concurrency` requests in flight. The verify passes are the response's own count of the steps that
+    drafted (`metrics.speculative_decoding.num_spec_steps`, which the speculative server reports per request:
+    `--per-request-spec-decode-metrics`), so the ratio is the accept length as eval predicts it and SGLang counts
+    it: tokens answered, the prefill's included, per verify pass. vLLM's own figure, 1 + accepted / drafts (the
+    timed passes'), leaves out the prefill's token and counts draft tokens accepted past max_tokens. vLLM calls the
+    per-request field experimental, so its sum over the requests is held to vLLM's Prometheus counters read before
+    and after them, and a difference is an error, not a figure. A request with no draft is [tokens, 0]."""
     names = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
-    out, before = [], counters(server, names)
-    for prompt in prompts:
-        complete(server, prompt, max_new_tokens, timeout)
-        after = counters(server, names)
-        drafts, accepted = (a - b for a, b in zip(after, before))
-        if drafts:
-            out.append([int(round(drafts + accepted)), int(round(drafts))])
-        before = after
-    return out
+    before = counters(server, names)
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        answers = list(pool.map(lambda p: complete(server, p, max_new_tokens, timeout), prompts))
+    for wait in (0.0, 0.5, 2.0):  # the counters record a step once its outputs are sent: the last may come after
+        time.sleep(wait)
+        delta = tuple(a - b for a, b in zip(counters(server, names), before))
+        try:
+            return per_request_counts(answers, delta)
+        except CountsDisagree as exc:
+            disagree = exc
+    raise RuntimeError(f"vLLM at {server.url}: {disagree}; see {server.log}")
+
+
+class CountsDisagree(RuntimeError):
+    pass
+
+
+def per_request_counts(answers: list[dict[str, Any]], counted: tuple[float, float]) -> list[list[int]]:
+    """[completion tokens, verify passes] per answer (`complete`'s), once their per-request counts (drafts,
+    accepted tokens) add up to `counted`, vLLM's counters' increase over the same requests; CountsDisagree if not,
+    ValueError where an answer has no per-request count (a server started without PER_REQUEST_FLAG)."""
+    spec = [a["spec_decoding"] for a in answers]
+    if any(s is None for s in spec):
+        raise ValueError(
+            f"{sum(s is None for s in spec)} of {len(spec)} answers without metrics.speculative_decoding: the "
+            f"speculative server is started with {PER_REQUEST_FLAG} (engines/vllm/cli.py, launch_command)"
+        )
+    summed = (sum(s["num_spec_steps"] for s in spec), sum(s["num_accepted_draft_tokens"] for s in spec))
+    if summed != tuple(int(round(c)) for c in counted):
+        raise CountsDisagree(
+            f"the per-request counts (drafts, accepted tokens) {summed} over {len(spec)} requests differ from the "
+            f"counters' {counted} over the same requests: the per-request field cannot be trusted here"
+        )
+    return [[a["meta_info"]["completion_tokens"], s["num_spec_steps"]] for a, s in zip(answers, spec)]
 
 
 def counters(server: client.ServerProcess, names: tuple[str, ...]) -> tuple[float, ...]:
