@@ -179,7 +179,8 @@ def test_a_sweep_measures_the_baseline_once(fast_cache, tmp_path):
 
 
 def test_serving_measurements_are_cached_by_what_decides_them(fast_cache, tmp_path, monkeypatch):
-    """Run again with the same serving key, serve measures nothing and says who did; more serve.repeats add passes
+    """Run again with the same serving key, serve measures nothing (in the run's own process: no job) and says who
+    did; more serve.repeats add passes
     to the cached ones; another serve.max_new_tokens, another installed engine, or serve.force measure again."""
     outputs = copy_cache(fast_cache("extract", "train", "eval"), tmp_path / "outputs",
                          parts=("targets", "extract", "train", "eval"))  # fmt: skip
@@ -197,8 +198,11 @@ def test_serving_measurements_are_cached_by_what_decides_them(fast_cache, tmp_pa
     assert started(first) == [True, True] and "baseline_from" not in first
     (by,) = first["measured_by"]["baseline"]
     assert by["hardware"] == hardware(gpus=False) and "family" in by["hardware"]  # /proc/cpuinfo's on x86 Linux
+    assert list((tmp_path / "first" / "jobs").glob("*_log.out")), "serve measured in a job"
     again = serve("again")
     assert started(again) == [False, False] and again["server_seconds"] == {}
+    # every pass cached: the stage read them in the run's own process, with no job's start-up
+    assert not list((tmp_path / "again" / "jobs").glob("*")), list((tmp_path / "again" / "jobs").glob("*"))
     assert again["baseline_tok_s"] == first["baseline_tok_s"] and again["spec_tok_s"] == first["spec_tok_s"]
     assert [m["mlflow_run_id"] for m in again["measured_by"]["baseline"]] == [first["run"]]
     more = serve("more", "serve.repeats=3")

@@ -176,6 +176,21 @@ def measure(
     return {k: v for k, v in record.items() if k != "passes"} | {"runs": runs}
 
 
+def passes_cached(cfg: RootConfig, plan) -> bool:
+    """Whether every pass this run's serve stage would measure, both servers', is in the cache under its key
+    (`measurement_keys`): then the stage starts no server and only reads them, and a blocking run (cluster=local)
+    runs it in its own process, without a job's start-up (pipeline.run_pipeline). False where the keys cannot be
+    known here yet (no target copied, no engine environment): the job then finds out, and says why."""
+    engine = engines.get(cfg.serve.engine, engines.SERVE)
+    try:
+        installed = engine.check_installed(cfg, cfg.serve.python, "serve.python", cfg.serve.resources.gpus_per_node)
+        prompts = _prompts(cfg, Path(plan.target_dir))
+    except (ConfigError, OSError, ValueError):
+        return False
+    keys = measurement_keys(plan.stage_keys, engine.measuring(installed), prompts, cfg.serve.prompts)
+    return not any(_to_measure(cfg, mode, key) for mode, key in keys.items())
+
+
 def _to_measure(cfg: RootConfig, mode: str, key: str) -> bool:
     """Whether `mode`'s server lacks passes under `key` (`measure` will start it, unless another run measures it
     first)."""
