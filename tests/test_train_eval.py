@@ -150,6 +150,7 @@ def test_the_served_accept_lengths_interval_is_over_requests_and_narrows_with_th
     assert accept_interval([[20, 10], [400, 100]])["accept_length_counted"] == pytest.approx(420 / 110)
     # a request that ended on its prefill token has no verify pass: not a request of the figure
     assert accept_interval([[1, 0], *mixed]) == few
+    assert accept_interval([[1, 0], [1, 0]]) == {}, "no request drafted: no figure"
 
 
 def test_vllms_per_request_counts_are_taken_only_where_they_add_up_to_its_counters():

@@ -101,10 +101,12 @@ def accept_interval(counts: list[list[int]], resamples: int = 2000, seed: int = 
     passes] as the engine counted them; a request with no verify pass, which ended on its prefill token, is left
     out) and its 95% interval: the 2.5th and 97.5th percentiles of the same ratio over `resamples` resamplings of
     the requests with replacement (a bootstrap; seeded, so the same counts give the same interval). Requests, not
-    verify passes, are the independent draws: one request's passes share its text."""
+    verify passes, are the independent draws: one request's passes share its text. {} where no request drafted."""
     import random
 
     counts = [c for c in counts if c[1]]
+    if not counts:
+        return {}
     tokens, passes = [c[0] for c in counts], [c[1] for c in counts]
     pooled, n = sum(tokens) / sum(passes), len(counts)
     rng = random.Random(seed)
@@ -558,6 +560,8 @@ def _on_eval_prompts(cfg: RootConfig, plan, counts: list[list[int]] | None) -> d
     if not counts or len(counts) < n or not (plan.dir("eval") / "manifest.json").exists():
         return {}
     on = accept_interval(counts[:n])
+    if not on:
+        return {}
     return {
         "accept_length_eval_prompts": on["accept_length_counted"],
         "accept_length_eval_prompts_ci95": on["accept_length_ci95"],
