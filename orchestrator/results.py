@@ -194,6 +194,8 @@ class EvalResult(_Checked):
     accept_histogram: list[int] | None = None
     accept_rate_by_position: list[float] | None = None
     mean_accepted_per_cycle: float | None = None
+    # of its prompts, those whose continuation is the extraction's regenerated answer (`answered_by_extraction`)
+    continuations_reused: int | None = None
     sequences: int | None = None
     # the served states' relative L2 distance from the trained ones (stages/eval.py, `text_accuracy`)
     served_states_rel_diff: float | None = None
@@ -208,7 +210,7 @@ class EvalResult(_Checked):
     _BY_POSITION: ClassVar[tuple[str, ...]] = ("acc", "full_acc", "trained_states_acc", "acc_gap", "acc_gap_se")
     _MEASURED: ClassVar[tuple[str, ...]] = (
         "expected_accept_length", "completion_tokens", "verify_passes", "accept_histogram", "accept_rate_by_position",
-        "mean_accepted_per_cycle", "sequences", "served_states_rel_diff", "train_val_acc",
+        "mean_accepted_per_cycle", "continuations_reused", "sequences", "served_states_rel_diff", "train_val_acc",
     )  # fmt: skip
 
     def _flat(self) -> dict[str, Any]:

@@ -3,6 +3,7 @@ standalone eval flags a draft whose config ids capture other layers than it was 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import pickle
@@ -117,6 +118,66 @@ def test_eval_flags_draft_ids_changed_to_other_layers(trained, tmp_path):
     assert any("trained on aux_layers=[1, 4, 6]" in f for f in result["mismatch_flags"]), result["mismatch_flags"]
     run = tracker.client.get_run(tracker.run_id)
     assert run.data.tags["eval.mismatch"] == "true" and run.data.metrics["eval/mismatch"] == 1.0
+
+
+def test_eval_takes_the_extractions_greedy_answers_as_its_continuations(trained, tiny_config, tmp_path, monkeypatch):
+    """Eval's bound equal to the regeneration's (64 tokens, greedy, first answers): the validation sequences are the
+    serving prompts' greedy continuations, so eval generates none of them again. Its accept length equals the one
+    from generating each continuation one at a time with HF: the same tokens, the same draft, the same counts."""
+    import orchestrator.stages.eval as eval_stage
+
+    cfg = tiny_config("stages=[extract,train]", "cluster=debug", "serve.max_new_tokens=64")
+    assert cfg.eval.max_new_tokens == cfg.data.regenerate.max_new_tokens == 64 and cfg.data.regenerate.temperature == 0
+    plan = make_plan(cfg, tmp_path / "run")
+    assert plan.dir("train") == trained[1].dir("train"), "the same extraction and draft as the other tests'"
+
+    def evaluated(name: str) -> dict:
+        eval_plan = dataclasses.replace(plan, stage_dirs={**plan.stage_dirs, "eval": str(tmp_path / name)})
+        return run_stage("eval", cfg, eval_plan, _tracker(plan, name).run_id)
+
+    calls = []
+    generate = eval_stage.chain_tokens
+    monkeypatch.setattr(eval_stage, "chain_tokens", lambda *a: calls.append(len(a[1])) or generate(*a))
+    reused = evaluated("reused")
+    assert reused["continuations_reused"] == cfg.eval.prompts == 4 and len(calls) == 4
+    monkeypatch.setattr(eval_stage, "answered_by_extraction", lambda *a: {})
+    generated = evaluated("generated")
+    assert generated["continuations_reused"] == 0
+    keys = ("expected_accept_length", "completion_tokens", "verify_passes", "accept_histogram")
+    assert {k: reused[k] for k in keys} == {k: generated[k] for k in keys}
+    assert reused["completion_tokens"] > 4 * 8, "continuations of some length, not the prompts alone"
+
+
+def test_only_a_whole_greedy_first_answer_to_the_prompt_stands_for_a_continuation(tiny_config):
+    """A sequence serves as a prompt's continuation only where a server would have written it: the same prompt ids,
+    the answer through the end token or to the bound; never a sampled, later-turn or differently bounded one."""
+    from types import SimpleNamespace
+
+    from orchestrator.stages.eval import answered_by_extraction
+
+    cfg = tiny_config("serve.max_new_tokens=4")
+    cfg.data.regenerate.max_new_tokens = 4
+    end, prompt = 2, [1, 5, 6]
+
+    def seq(ids, n_prompt=3):
+        return SimpleNamespace(
+            input_ids=torch.tensor(ids), loss_mask=torch.tensor([0] * n_prompt + [1] * (len(ids) - n_prompt))
+        )
+
+    seqs = [
+        seq(prompt + [7, 8, 9, 10]),  # to the bound
+        seq(prompt + [7, end]),  # ended
+        seq(prompt + [7, 8]),  # cut short (data.max_seq_len): a server would have gone on
+        seq([1, 5, 4, 7, end]),  # another prompt
+        seq(prompt + [7, end], n_prompt=2),  # the loss mask says the prompt is shorter
+        seq(prompt),  # no answer
+    ]
+    assert answered_by_extraction(cfg, seqs, [prompt] * 6, [end]) == {0: 0, 1: 1}
+    assert answered_by_extraction(cfg, seqs, [prompt] * 2, [end]) == {0: 0, 1: 1}, "prompts beyond eval's not taken"
+    for key, value in (("temperature", 0.7), ("turns", None), ("max_new_tokens", 8), ("enabled", False)):
+        other = copy.deepcopy(cfg)
+        setattr(other.data.regenerate, key, value)
+        assert answered_by_extraction(other, seqs, [prompt] * 6, [end]) == {}, key
 
 
 def test_accuracy_gap_must_exceed_tolerance_and_sampling_noise():

@@ -28,7 +28,7 @@ from orchestrator.draft.served import served_draft_dir
 from orchestrator.results import GREEDY, EvalResult
 from orchestrator.states import stream
 from orchestrator.states.shards import load_split
-from orchestrator.targets import tokenizer_hash
+from orchestrator.targets import end_token_ids, tokenizer_hash
 
 
 def served_layers(cfg: RootConfig, draft_conf: dict[str, Any]) -> list[int]:
@@ -133,20 +133,25 @@ def simulate_cycles(
 
 
 @torch.no_grad()
-def greedy_accept_length(draft, continuations, steps: int, max_new: int, device: torch.device) -> dict[str, Any]:
+def chain_tokens(draft, sequence: list[int], served: torch.Tensor, steps: int, device: torch.device) -> list[list[int]]:
+    """The draft's `steps` chained tokens from every position of `sequence` but the last (`draft_tokens[k][c]`, as
+    `simulate_cycles` reads them), fed `served`, the states serving captures for at least all but its last token."""
+    length = len(sequence)
+    full = torch.tensor([sequence], device=device)
+    aux = served[None, : length - 1].to(device)
+    valid = torch.ones(1, length - 1, dtype=torch.bool, device=device)
+    return [u[0].tolist() for u in draft.unroll(aux, full[:, 1:], valid, steps).tokens]
+
+
+def greedy_accept_length(drafted, steps: int, max_new: int) -> dict[str, Any]:
     """The expected accept length of a chain-drafting server on the target's greedy continuations of the serving
-    prompts (`continuations`: per prompt, its length, the prompt and continuation's ids, and the served states of
-    at least all but the last of them, as the eval engine generates and captures them)."""
+    prompts (`drafted`: per prompt, its length, the prompt and continuation's ids, and the draft's tokens from each
+    of their positions, `chain_tokens`)."""
     completion_total = verify_total = 0
     histogram = [0] * (steps + 1)
-    for prompt_len, sequence, served in continuations:
-        length = len(sequence)
-        if length < 2:
+    for prompt_len, sequence, tokens in drafted:
+        if len(sequence) < 2:
             continue
-        full = torch.tensor([sequence], device=device)
-        aux = served[None, : length - 1].to(device)
-        valid = torch.ones(1, length - 1, dtype=torch.bool, device=device)
-        tokens = [u[0].tolist() for u in draft.unroll(aux, full[:, 1:], valid, steps).tokens]
         completion, verify, hist = simulate_cycles(tokens, sequence, prompt_len, steps, max_new)
         completion_total += completion
         verify_total += verify
@@ -162,6 +167,26 @@ def greedy_accept_length(draft, continuations, steps: int, max_new: int, device:
         "accept_rate_by_position": [reached[k + 1] / reached[k] if reached[k] else 0.0 for k in range(steps)],
         "mean_accepted_per_cycle": sum(i * h for i, h in enumerate(histogram)) / cycles,
     }
+
+
+def answered_by_extraction(cfg: RootConfig, seqs, prompts: list[list[int]], ends: list[int]) -> dict[int, int]:
+    """{index in `seqs`: index in `prompts`} for the validation sequences that are a serving prompt's greedy
+    continuation as a server writes it: regenerated greedy, first answers only, to eval's token bound, the prompt's
+    ids exactly, and the answer whole (through an end token, or as long as the bound). Eval runs the draft on those
+    sequences' served states anyway, so their continuations need no second generation; any other prompt is
+    generated (`live.continuations`)."""
+    r, max_new = cfg.data.regenerate, cfg.eval.max_new_tokens
+    if not (r.enabled and r.temperature == 0 and r.turns == 1 and r.max_new_tokens == max_new):
+        return {}
+    out = {}
+    for i, (s, prompt) in enumerate(zip(seqs, prompts)):
+        ids, n = s.input_ids.tolist(), len(prompt)
+        answer, mask = ids[n:], s.loss_mask.tolist()
+        if ids[:n] != prompt or not answer or any(mask[:n]) or not all(mask[n:]):
+            continue
+        if len(answer) == max_new or (answer[-1] in ends and not any(t in ends for t in answer[:-1])):
+            out[i] = i
+    return out
 
 
 def significant_gaps(acc: dict[str, float], steps: int, tolerance: float) -> tuple[dict[int, float], dict[int, float]]:
@@ -273,16 +298,32 @@ def _measured(cfg: RootConfig, models, extraction, prov: dict[str, Any], compute
     serving prompts (`greedy_accept_length`), with training's own validation accuracies beside them. The live
     target's states, greedy tokens and continuations are the eval engine's (`live`, `Capturing.open_eval`)."""
     (live, draft), (extract_dir, manifest) = models, extraction
-    steps, positions = cfg.eval.draft_steps, _positions(cfg, prov)
+    steps, positions, device = cfg.eval.draft_steps, _positions(cfg, prov), compute.device
+    max_new = cfg.eval.max_new_tokens
     split = load_split(extract_dir, manifest, "val", prov["aux_layers"])
-    val_seqs = [s for s in split.take(range(min(cfg.eval.max_conversations, len(split)))) if len(s.input_ids) >= 3]
-    acc = text_accuracy(draft, val_seqs, live.served([s.input_ids.tolist() for s in val_seqs]), positions,
-                        compute.device)  # fmt: skip
+    taken = split.take(range(min(cfg.eval.max_conversations, len(split))))
     _, val_convs = conversations(cfg.data, cfg.seed)
     prompts = [prompt_ids(live.tokenizer, c, cfg.data.max_seq_len) for c in val_convs[: cfg.eval.prompts]]
-    greedy = greedy_accept_length(
-        draft, live.continuations(prompts, cfg.eval.max_new_tokens), steps, cfg.eval.max_new_tokens, compute.device
-    )
+    reused = answered_by_extraction(cfg, taken, prompts, end_token_ids(live.tokenizer))
+    drafted: dict[int, tuple] = {}  # per prompt index: (prompt length, continuation, the draft's chained tokens)
+
+    def served(pairs):  # the validation sequences' live states, the draft run on the reused ones as they pass
+        for i, s, (states, argmax) in pairs:
+            if i in reused:
+                ids = s.input_ids.tolist()
+                drafted[reused[i]] = (len(prompts[reused[i]]), ids, chain_tokens(draft, ids, states, steps, device))
+            yield states, argmax
+
+    kept = [(i, s) for i, s in enumerate(taken) if len(s.input_ids) >= 3]
+    val_seqs = [s for _, s in kept]
+    live_states = live.served([s.input_ids.tolist() for s in val_seqs])
+    acc = text_accuracy(draft, val_seqs, served((i, s, x) for (i, s), x in zip(kept, live_states)), positions, device)
+    rest = [j for j in range(len(prompts)) if j not in drafted]
+    generated = live.continuations([prompts[j] for j in rest], max_new) if rest else []
+    for j, (prompt_len, sequence, states) in zip(rest, generated, strict=True):
+        drafted[j] = (prompt_len, sequence, chain_tokens(draft, sequence, states, steps, device))
+    greedy = greedy_accept_length([drafted[j] for j in range(len(prompts))], steps, max_new)
+    greedy["continuations_reused"] = len(prompts) - len(rest)
     val = prov.get("val_metrics", {})
     trained = [val.get(f"acc_{k}") for k in range(positions)]
     return acc | greedy | {"sequences": len(val_seqs), "train_val_acc": trained, "engine": live.describe()}
