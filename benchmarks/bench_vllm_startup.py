@@ -1,6 +1,7 @@
-"""How long a vLLM server takes to become healthy on this CPU, its engine core in a process of its own (vLLM's
-default) or in the server's (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, what the serve stage sets on a machine without
-GPUs), the two alternated so that the machine's speed moves both alike.
+"""How long a vLLM server takes to become healthy on this CPU, its model worker in a process of its own (vLLM's
+default: the API server, the engine core and the worker each import vLLM) or inside the engine core's
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, what the serve stage sets on a machine without GPUs: two processes), the two
+alternated so that the machine's speed moves both alike.
 
     .venv/bin/python benchmarks/bench_vllm_startup.py [--pairs 2]
 

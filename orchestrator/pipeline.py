@@ -607,9 +607,10 @@ def run_pipeline(
                 print(f"[{stage}] cached: {entry['output']}")
                 tracker.tags({f"{stage}.cached": "true"})
                 continue
-            if stage == "serve" and blocking and serve_stage().passes_cached(cfg, plan):
+            if stage == "serve" and blocking and not jobs and serve_stage().passes_cached(cfg, plan):
                 # both servers' passes are in the cache: the stage starts no server, only reads them; here, not in a
-                # job (whose start-up, seconds, would be most of a warm run)
+                # job (whose start-up, seconds, would be most of a warm run). Looked for only where no stage before
+                # ran: after a stage's job, the serve job costs little more, and the look, seconds, delays it.
                 print("[serve] every pass cached: the stage runs in this process, no job")
                 submitted = time.time()
                 run_stage(stage, cfg, plan, tracker.run_id)

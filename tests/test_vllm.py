@@ -82,7 +82,7 @@ def test_vllm_serves_the_draft_and_its_counters_agree_with_eval(vllm_python, fas
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("VLLM_PYTHON", vllm_python)
-    # vLLM's engine core in the server's own process: 15 s to start here instead of 25 (the demo keeps the default)
+    # vLLM's model worker inside its engine core's process: 15 s to start here instead of 25 (the demo's default too)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     outputs = copy_cache(
         fast_cache("extract", "train", "eval"), tmp_path / "outputs", ("targets", "extract", "train", "eval")

@@ -137,10 +137,13 @@ def cpu_flags(mla: bool, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
 
 def server_env(cfg: RootConfig) -> dict[str, str]:
     """On a machine without GPUs vLLM's CPU backend reserves `VLLM_CPU_KVCACHE_SPACE` GiB of RAM for its KV cache
-    (its default is a large share of the machine); the tiny targets need far less. There its engine core also runs
-    in the server's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as the capture already does), so vLLM is
-    imported once, not twice: healthy after 0.69x the time here (`benchmarks/bench_vllm_startup.py`,
-    docs/measurements.md#where-the-demos-time-goes). Either is the user's to set in the environment."""
+    (its default is a large share of the machine); the tiny targets need far less. There its model worker also runs
+    inside the engine core's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as the capture already does: vLLM 0.32's
+    CPU platform picks its multiprocess executor only when the variable is 1, vllm/platforms/cpu.py). The API server
+    still starts the engine core as a process of its own (vllm/v1/engine/async_llm.py, spawned on a CPU), so vLLM is
+    imported twice a server rather than three times: healthy after 0.69x the time here
+    (`benchmarks/bench_vllm_startup.py`, docs/measurements.md#where-the-demos-time-goes). Either is the user's to set
+    in the environment."""
     if cfg.serve.resources.gpus_per_node:
         return {}
     return {
