@@ -378,6 +378,21 @@ def test_missing_serving_python(tmp_path):
         sglang.validate_with_sglang(missing, [missing, "-m", "sglang.launch_server", "--model-path", "/t"])
 
 
+def test_an_environment_that_imports_sglang_is_asked_once_and_one_that_cannot_each_time(tmp_path, monkeypatch):
+    """A dry run asks before each command it checks; an environment's import of sglang is seconds, so one that
+    succeeded is not run again, while one that failed is (it may be built meanwhile)."""
+    runs = []
+    real = sglang.subprocess.run
+    monkeypatch.setattr(sglang.subprocess, "run", lambda argv, **kw: runs.append(argv[0]) or real(argv, **kw))
+    for name, status in (("imports", 0), ("lacks", 1)):
+        (tmp_path / name).write_text(f"#!/bin/sh\nexit {status}\n")
+        (tmp_path / name).chmod(0o755)
+    imports, lacks = str(tmp_path / "imports"), str(tmp_path / "lacks")
+    assert [sglang.sglang_available(imports) for _ in range(3)] == [True] * 3
+    assert [sglang.sglang_available(lacks) for _ in range(2)] == [False] * 2
+    assert runs == [imports, lacks, lacks]
+
+
 def test_python_without_sglang(tmp_path):
     python = sys.executable  # the project's environment, which never holds sglang
     if sglang.sglang_available(python):

@@ -231,12 +231,21 @@ def validate_with_sglang(python: str, argv: list[str], timeout: float = 120) -> 
     )
 
 
+_HAS_SGLANG: set[str] = set()  # the environments found able to import it, by interpreter path
+
+
 def sglang_available(python: str, timeout: float = 120) -> bool:
-    """Whether `python` can import the part of sglang that parses server arguments."""
+    """Whether `python` can import the part of sglang that parses server arguments. An environment that can is not
+    asked again in this process: a dry run asks before each command it checks, and each import is seconds. One that
+    cannot is asked again, as it may be built meanwhile."""
+    if python in _HAS_SGLANG:
+        return True
     try:
         done = subprocess.run([python, "-c", "import sglang.srt.server_args"], capture_output=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired):
         return False
+    if done.returncode == 0:
+        _HAS_SGLANG.add(python)
     return done.returncode == 0
 
 
