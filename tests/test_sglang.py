@@ -380,7 +380,8 @@ def test_missing_serving_python(tmp_path):
 
 def test_an_environment_that_imports_sglang_is_asked_once_and_one_that_cannot_each_time(tmp_path, monkeypatch):
     """A dry run asks before each command it checks; an environment's import of sglang is seconds, so one that
-    succeeded is not run again, while one that failed is (it may be built meanwhile)."""
+    succeeded is not run again, while one that failed is (it may be built meanwhile). The same for a command its
+    parser accepted (the dry run's regeneration server is its baseline's command)."""
     runs = []
     real = sglang.subprocess.run
     monkeypatch.setattr(sglang.subprocess, "run", lambda argv, **kw: runs.append(argv[0]) or real(argv, **kw))
@@ -391,6 +392,15 @@ def test_an_environment_that_imports_sglang_is_asked_once_and_one_that_cannot_ea
     assert [sglang.sglang_available(imports) for _ in range(3)] == [True] * 3
     assert [sglang.sglang_available(lacks) for _ in range(2)] == [False] * 2
     assert runs == [imports, lacks, lacks]
+    # a command its parser accepted is not parsed again; one it refused is, and is refused again
+    runs.clear()
+    for _ in range(2):
+        sglang.validate_with_sglang(imports, [imports, "-m", sglang.MODULE, "--model-path", "/t"])
+    sglang.validate_with_sglang(imports, [imports, "-m", sglang.MODULE, "--model-path", "/u"])
+    for _ in range(2):
+        with pytest.raises(ServingRefused, match="rejects the launch command"):
+            sglang.validate_with_sglang(lacks, [lacks, "-m", sglang.MODULE, "--model-path", "/t"])
+    assert runs == [imports, imports, lacks, lacks]
 
 
 def test_python_without_sglang(tmp_path):

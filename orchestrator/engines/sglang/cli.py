@@ -202,12 +202,19 @@ def parser_check_script() -> str:
     )
 
 
+_HAS_SGLANG: set[str] = set()  # the environments found able to import it, by interpreter path
+_ACCEPTED: set[tuple[str, ...]] = set()  # (interpreter, *command) its parser accepted
+
+
 def validate_with_sglang(python: str, argv: list[str], timeout: float = 120) -> None:
     """Parses a `launch_command` argv with sglang's parser in the environment of `python`.
 
     Catches unknown, ambiguous and mistyped flags and bad choices without a GPU. Raises ServingRefused with
-    sglang's error when the parser rejects the command, or when `python` cannot import sglang.
+    sglang's error when the parser rejects the command, or when `python` cannot import sglang. A command accepted
+    once is not parsed again in this process (a dry run prints the same server for regeneration and the baseline).
     """
+    if (python, *argv) in _ACCEPTED:
+        return
     try:
         done = subprocess.run(
             [python, "-c", parser_check_script(), *module_args(argv)], capture_output=True, text=True, timeout=timeout
@@ -219,6 +226,7 @@ def validate_with_sglang(python: str, argv: list[str], timeout: float = 120) -> 
     except subprocess.TimeoutExpired:
         raise ServingRefused(f"sglang's argument parser in {python} did not finish within {timeout:.0f} s") from None
     if done.returncode == 0:
+        _ACCEPTED.add((python, *argv))
         return
     stderr = done.stderr.strip()
     if "ModuleNotFoundError" in stderr or "ImportError" in stderr:
@@ -229,9 +237,6 @@ def validate_with_sglang(python: str, argv: list[str], timeout: float = 120) -> 
     raise ServingRefused(
         f"sglang's parser in {python} rejects the launch command:\n{_tail(stderr)}\ncommand: {' '.join(argv)}"
     )
-
-
-_HAS_SGLANG: set[str] = set()  # the environments found able to import it, by interpreter path
 
 
 def sglang_available(python: str, timeout: float = 120) -> bool:
