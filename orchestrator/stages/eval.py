@@ -137,6 +137,8 @@ def chain_tokens(draft, sequence: list[int], served: torch.Tensor, steps: int, d
     """The draft's `steps` chained tokens from every position of `sequence` but the last (`draft_tokens[k][c]`, as
     `simulate_cycles` reads them), fed `served`, the states serving captures for at least all but its last token."""
     length = len(sequence)
+    if length < 2:  # nothing to draft from (`greedy_accept_length` skips it)
+        return []
     full = torch.tensor([sequence], device=device)
     aux = served[None, : length - 1].to(device)
     valid = torch.ones(1, length - 1, dtype=torch.bool, device=device)
