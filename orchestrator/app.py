@@ -49,4 +49,9 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(main)()
+    try:
+        hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(main)()
+    finally:
+        from orchestrator.runner import exiting
+
+        exiting()  # the command is done (or exits with its error): its exit skips collecting what it imported
